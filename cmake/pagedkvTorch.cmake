@@ -1,0 +1,23 @@
+# Finds libtorch so that its imported targets are visible to the whole build.
+#
+# find_package(Torch) creates directory-scoped imported targets (torch,
+# torch_cpu, c10, ...). Called from a FetchContent'd / add_subdirectory'd
+# pagedkv, they would be invisible to the consumer, whose link line then
+# refers to `torch` as a plain library name. So every imported target that
+# the call creates is promoted to GLOBAL. A consumer that already found Torch
+# keeps its own targets.
+macro(pagedkv_find_torch)
+  if(NOT TARGET torch)
+    get_directory_property(_pagedkv_before IMPORTED_TARGETS)
+    find_package(Torch REQUIRED)
+    get_directory_property(_pagedkv_after IMPORTED_TARGETS)
+    foreach(_pagedkv_target IN LISTS _pagedkv_after)
+      if(NOT _pagedkv_target IN_LIST _pagedkv_before)
+        get_target_property(_pagedkv_global ${_pagedkv_target} IMPORTED_GLOBAL)
+        if(NOT _pagedkv_global)
+          set_target_properties(${_pagedkv_target} PROPERTIES IMPORTED_GLOBAL TRUE)
+        endif()
+      endif()
+    endforeach()
+  endif()
+endmacro()

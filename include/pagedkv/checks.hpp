@@ -1,0 +1,180 @@
+// Every argument check of the public API, in one place. Each throws
+// c10::Error naming the function, the argument, what was expected and what
+// was given; none of them changes anything.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <ostream>
+#include <vector>
+
+#include "pagedkv/layouts.hpp"
+#include "pagedkv/page_pool.hpp"
+#include "pagedkv/page_table.hpp"
+
+namespace pagedkv {
+namespace checks {
+
+/// The public function a check runs for; printed as pagedkv::Class<Layout>::function.
+struct Caller {
+  const char* cls;
+  const char* layout;  // nullptr for non-templates
+  const char* function;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const Caller& c) {
+  os << "pagedkv::" << c.cls;
+  if (c.layout != nullptr) os << '<' << c.layout << '>';
+  return os << "::" << c.function;
+}
+
+inline void layer(const Caller& caller, int64_t layer, int64_t n_layers) {
+  TORCH_CHECK_INDEX(layer >= 0 && layer < n_layers, caller, ": argument 'layer' expected in [0, ", n_layers, "), got ",
+                    layer);
+}
+
+inline void positive(const Caller& caller, const char* arg, int64_t value) {
+  TORCH_CHECK(value >= 1, caller, ": argument '", arg, "' expected >= 1, got ", value);
+}
+
+inline void non_negative(const Caller& caller, const char* arg, int64_t value) {
+  TORCH_CHECK(value >= 0, caller, ": argument '", arg, "' expected >= 0, got ", value);
+}
+
+inline bool is_index_type(at::ScalarType t) { return t == at::kInt || t == at::kLong; }
+
+/// Page tables and per-sequence tensors may live on the CPU or the cache's device.
+inline void host_or_cache_device(const Caller& caller, const char* arg, const at::Tensor& t,
+                                 const at::Device& cache_device) {
+  TORCH_CHECK(t.device().is_cpu() || t.device() == cache_device, caller, ": argument '", arg,
+              "' expected on cpu or ", cache_device, ", got ", t.device());
+}
+
+/// page_table: [B, max_pages], int32 or int64.
+inline void page_table(const Caller& caller, const at::Tensor& table, const at::Device& cache_device) {
+  TORCH_CHECK(table.defined(), caller, ": argument 'page_table' expected a tensor, got an undefined one");
+  TORCH_CHECK(table.dim() == 2, caller, ": argument 'page_table' expected 2-D [batch, max_pages], got ", table.dim(),
+              "-D with shape ", table.sizes());
+  TORCH_CHECK(is_index_type(table.scalar_type()), caller,
+              ": argument 'page_table' expected dtype int32 or int64, got ", table.scalar_type());
+  host_or_cache_device(caller, "page_table", table, cache_device);
+}
+
+/// A per-sequence integer tensor [B] (start_pos, lengths), copied to the
+/// host; every value must be >= 0.
+inline std::vector<int64_t> per_sequence(const Caller& caller, const char* arg, const at::Tensor& t, int64_t batch,
+                                         const at::Device& cache_device) {
+  TORCH_CHECK(t.defined(), caller, ": argument '", arg, "' expected a tensor, got an undefined one");
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, caller, ": argument '", arg, "' expected shape [", batch,
+              "] (one per page_table row), got ", t.sizes());
+  TORCH_CHECK(is_index_type(t.scalar_type()), caller, ": argument '", arg, "' expected dtype int32 or int64, got ",
+              t.scalar_type());
+  host_or_cache_device(caller, arg, t, cache_device);
+  const at::Tensor host = t.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* data = host.data_ptr<int64_t>();
+  std::vector<int64_t> values(data, data + batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(values[static_cast<size_t>(b)] >= 0, caller, ": argument '", arg, "' expected every value >= 0, got ",
+                arg, "[", b, "] = ", values[static_cast<size_t>(b)]);
+  }
+  return values;
+}
+
+/// k or v: [B, S, n_heads, head_dim], the cache's dtype and device.
+inline void key_or_value(const Caller& caller, const char* arg, const at::Tensor& t, int64_t batch,
+                         const PageGeometry& g, at::ScalarType dtype, const at::Device& device) {
+  TORCH_CHECK(t.defined(), caller, ": argument '", arg, "' expected a tensor, got an undefined one");
+  TORCH_CHECK(t.dim() == 4, caller, ": argument '", arg, "' expected 4-D [batch, seq, n_kv_heads, head_dim], got ",
+              t.dim(), "-D with shape ", t.sizes());
+  TORCH_CHECK(t.size(0) == batch, caller, ": argument '", arg, "' expected batch ", batch,
+              " (page_table rows) at dim 0, got shape ", t.sizes());
+  TORCH_CHECK(t.size(2) == g.n_heads, caller, ": argument '", arg, "' expected n_kv_heads ", g.n_heads,
+              " at dim 2, got shape ", t.sizes());
+  TORCH_CHECK(t.size(3) == g.head_dim, caller, ": argument '", arg, "' expected head_dim ", g.head_dim,
+              " at dim 3, got shape ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype, caller, ": argument '", arg, "' expected dtype ", dtype,
+              " (the cache's), got ", t.scalar_type());
+  TORCH_CHECK(t.device() == device, caller, ": argument '", arg, "' expected on ", device,
+              " (the cache's device), got ", t.device());
+}
+
+/// k, v: both valid, and of equal shapes.
+inline void key_values(const Caller& caller, const at::Tensor& k, const at::Tensor& v, int64_t batch,
+                       const PageGeometry& g, at::ScalarType dtype, const at::Device& device) {
+  key_or_value(caller, "k", k, batch, g, dtype, device);
+  key_or_value(caller, "v", v, batch, g, dtype, device);
+  TORCH_CHECK(k.sizes() == v.sizes(), caller, ": arguments 'k' and 'v' expected equal shapes, got ", k.sizes(),
+              " and ", v.sizes());
+}
+
+/// The page at (row, col) exists and is allocated: writes need this for
+/// every page they touch, and reads for every mapped page they read.
+template <class Index>
+void page_allocated(const Caller& caller, const PageTableRef<Index>& table, int64_t row, int64_t col,
+                    const PagePool& pool) {
+  const int64_t page = table(row, col);
+  TORCH_CHECK_INDEX(page >= 0 && page < pool.n_pages(), caller, ": argument 'page_table' expected a page id in [0, ",
+                    pool.n_pages(), ") at page_table[", row, "][", col, "], got ", page,
+                    page == kUnmappedPage ? " (unmapped)" : "");
+  TORCH_CHECK(pool.is_allocated(page), caller, ": argument 'page_table' expected an allocated page at page_table[", row,
+              "][", col, "], got page ", page, " which is free (use after free)");
+}
+
+/// Tokens [start, start + n) of row `row` fit in the table and sit on
+/// allocated pages.
+template <class Index>
+void write_range(const Caller& caller, const PageTableRef<Index>& table, int64_t row, int64_t start, int64_t n,
+                 int64_t page_size, const PagePool& pool) {
+  if (n == 0) return;
+  const int64_t capacity = table.cols * page_size;
+  TORCH_CHECK_INDEX(start <= capacity - n, caller, ": write of ", n, " tokens at start_pos ", start, " in row ", row,
+                    " expected to end within the page table's ", table.cols, " columns (", capacity,
+                    " tokens), got last position ", start + n - 1, " (a write past the last column)");
+  for (int64_t col = start / page_size; col <= (start + n - 1) / page_size; ++col) {
+    page_allocated(caller, table, row, col, pool);
+  }
+}
+
+/// Number of leading columns that map a page in at least one row (the
+/// reference's gather stops at the first column with none).
+template <class Index>
+int64_t mapped_columns(const PageTableRef<Index>& table) {
+  for (int64_t col = 0; col < table.cols; ++col) {
+    bool any = false;
+    for (int64_t row = 0; row < table.rows && !any; ++row) any = table(row, col) >= 0;
+    if (!any) return col;
+  }
+  return table.cols;
+}
+
+/// Every entry of the first `n_cols` columns is -1 or an allocated page.
+template <class Index>
+void readable_columns(const Caller& caller, const PageTableRef<Index>& table, int64_t n_cols, const PagePool& pool) {
+  for (int64_t row = 0; row < table.rows; ++row) {
+    for (int64_t col = 0; col < n_cols; ++col) {
+      if (table(row, col) != kUnmappedPage) page_allocated(caller, table, row, col, pool);
+    }
+  }
+}
+
+/// Row `row` maps every page that holds positions [0, length).
+template <class Index>
+void mapped_prefix(const Caller& caller, const PageTableRef<Index>& table, int64_t row, int64_t length,
+                   int64_t page_size, const PagePool& pool) {
+  TORCH_CHECK_INDEX(length <= table.cols * page_size, caller, ": argument 'lengths' expected lengths[", row,
+                    "] <= ", table.cols * page_size, " (the tokens page_table row ", row, " can map), got ",
+                    length);
+  for (int64_t col = 0; col * page_size < length; ++col) {
+    const int64_t page = table(row, col);
+    TORCH_CHECK_INDEX(page != kUnmappedPage, caller, ": argument 'lengths' expected lengths[", row, "] <= ",
+                      col * page_size, " (the tokens page_table row ", row, " maps before its first -1 at column ",
+                      col, "), got ", length);
+    page_allocated(caller, table, row, col, pool);
+  }
+}
+
+}  // namespace checks
+}  // namespace pagedkv

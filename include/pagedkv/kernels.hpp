@@ -1,0 +1,297 @@
+// The data-moving kernels. Callers validate everything first; nothing here
+// checks or throws, so a kernel that starts always finishes.
+//
+// CPU: hand-written byte copies (dtype-agnostic), contiguous runs merged
+// into one memcpy, parallel over (sequence, page) work items.
+// Other devices: a device-agnostic ATen path over flattened head rows.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "pagedkv/layouts.hpp"
+#include "pagedkv/page_table.hpp"
+
+namespace pagedkv {
+
+/// Which kernels a call uses. `automatic`: hand-written ones for CPU
+/// tensors, the ATen path for any other device. `generic`: the ATen path
+/// everywhere (lets CPU tests cover the path CUDA caches take).
+enum class Backend { automatic, generic };
+
+namespace detail {
+inline Backend& backend_override() noexcept {
+  thread_local Backend backend = Backend::automatic;
+  return backend;
+}
+}  // namespace detail
+
+/// Sets the backend of the calling thread for one scope.
+class ScopedBackend {
+ public:
+  explicit ScopedBackend(Backend backend) : previous_(detail::backend_override()) {
+    detail::backend_override() = backend;
+  }
+  ~ScopedBackend() { detail::backend_override() = previous_; }
+  ScopedBackend(const ScopedBackend&) = delete;
+  ScopedBackend& operator=(const ScopedBackend&) = delete;
+
+ private:
+  Backend previous_;
+};
+
+namespace kernels {
+
+/// Whether a cache on `device` uses the hand-written CPU kernels.
+inline bool use_cpu_kernels(const at::Device& device) {
+  return device.is_cpu() && detail::backend_override() == Backend::automatic;
+}
+
+/// Byte strides of a [tokens, heads, head_dim] block.
+struct BlockStrides {
+  int64_t token;  ///< bytes between consecutive tokens
+  int64_t head;   ///< bytes between consecutive heads
+  int64_t elem;   ///< bytes between consecutive elements of a head vector
+};
+
+/// Extent of a [tokens, heads, head_dim] block.
+struct BlockShape {
+  int64_t tokens;
+  int64_t heads;
+  int64_t head_dim;
+  int64_t elem_size;  ///< bytes per element
+};
+
+/// The byte strides of one page of `g`.
+inline BlockStrides page_strides(const PageGeometry& g, int64_t elem_size) {
+  return {g.token_stride * elem_size, g.head_stride * elem_size, elem_size};
+}
+
+/// The byte strides of dims 1..3 of a [B, S, H, D] tensor.
+inline BlockStrides token_major_strides(const at::Tensor& t) {
+  const int64_t es = static_cast<int64_t>(t.element_size());
+  return {t.stride(1) * es, t.stride(2) * es, t.stride(3) * es};
+}
+
+/// Copies a block of bytes; merges head vectors, then whole tokens, into
+/// single memcpys wherever both sides are contiguous.
+inline void copy_block(char* dst, const BlockStrides& ds, const char* src, const BlockStrides& ss,
+                       const BlockShape& shape) {
+  const int64_t es = shape.elem_size;
+  const int64_t row_bytes = shape.head_dim * es;
+  const bool rows_contiguous = shape.head_dim == 1 || (ds.elem == es && ss.elem == es);
+  if (!rows_contiguous) {
+    for (int64_t t = 0; t < shape.tokens; ++t)
+      for (int64_t h = 0; h < shape.heads; ++h)
+        for (int64_t d = 0; d < shape.head_dim; ++d)
+          std::memcpy(dst + t * ds.token + h * ds.head + d * ds.elem, src + t * ss.token + h * ss.head + d * ss.elem,
+                      static_cast<size_t>(es));
+    return;
+  }
+  const bool heads_contiguous = shape.heads == 1 || (ds.head == row_bytes && ss.head == row_bytes);
+  if (heads_contiguous) {
+    const int64_t token_bytes = shape.heads * row_bytes;
+    if (shape.tokens == 1 || (ds.token == token_bytes && ss.token == token_bytes)) {
+      std::memcpy(dst, src, static_cast<size_t>(shape.tokens * token_bytes));
+      return;
+    }
+    for (int64_t t = 0; t < shape.tokens; ++t)
+      std::memcpy(dst + t * ds.token, src + t * ss.token, static_cast<size_t>(token_bytes));
+    return;
+  }
+  // Head vectors one by one; the outer loop walks the dimension that jumps
+  // furthest, so the inner one streams through nearby memory.
+  if (ds.head + ss.head > ds.token + ss.token) {
+    for (int64_t h = 0; h < shape.heads; ++h)
+      for (int64_t t = 0; t < shape.tokens; ++t)
+        std::memcpy(dst + t * ds.token + h * ds.head, src + t * ss.token + h * ss.head, static_cast<size_t>(row_bytes));
+  } else {
+    for (int64_t t = 0; t < shape.tokens; ++t)
+      for (int64_t h = 0; h < shape.heads; ++h)
+        std::memcpy(dst + t * ds.token + h * ds.head, src + t * ss.token + h * ss.head, static_cast<size_t>(row_bytes));
+  }
+}
+
+/// Zeroes `tokens` whole tokens of a contiguous [T, H, D] output.
+inline void zero_tokens(char* dst, int64_t tokens, int64_t token_bytes) {
+  if (tokens > 0) std::memset(dst, 0, static_cast<size_t>(tokens * token_bytes));
+}
+
+/// Work items per at::parallel_for chunk so that one chunk moves about
+/// `kChunkBytes`: smaller chunks cost more in scheduling than they gain.
+constexpr int64_t kChunkBytes = int64_t{64} << 10;
+inline int64_t grain_for(int64_t bytes_per_item) {
+  return std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, bytes_per_item));
+}
+
+/// k and v of a batch in token-major order [B, S or T, H, D], as raw bytes.
+template <class Byte>
+struct TokenMajorKv {
+  Byte* k;
+  Byte* v;
+  int64_t k_batch_stride;  ///< bytes between sequences of k
+  int64_t v_batch_stride;  ///< bytes between sequences of v
+  BlockStrides k_strides;  ///< bytes between tokens/heads/elements of k
+  BlockStrides v_strides;  ///< same for v
+};
+
+template <class Byte>
+TokenMajorKv<Byte> token_major(Byte* k_data, const at::Tensor& k, Byte* v_data, const at::Tensor& v) {
+  const int64_t es = static_cast<int64_t>(k.element_size());
+  return {k_data, v_data, k.stride(0) * es, v.stride(0) * es, token_major_strides(k), token_major_strides(v)};
+}
+
+/// One layer of the cache's pages as raw bytes: [n_pages, <page>] for k and v.
+template <class Byte>
+struct LayerPages {
+  Byte* k;
+  Byte* v;
+  int64_t page_bytes;    ///< bytes between pages
+  BlockStrides strides;  ///< inside a page
+};
+
+/// Writes tokens [0, n_tokens) of every sequence b to logical positions
+/// starts[b] + s, through the page table.
+template <class Index>
+void write_cpu(const PageTableRef<Index>& table,  // [B, max_pages]
+               const std::vector<int64_t>& starts,  // [B]
+               int64_t n_tokens, const TokenMajorKv<const char>& src, const LayerPages<char>& dst,
+               const PageGeometry& g, int64_t elem_size) {
+  if (n_tokens == 0 || table.rows == 0) return;
+  const int64_t page_size = g.page_size;
+  // A run of n_tokens touches at most ceil(n/P) + 1 pages when it starts mid-page.
+  const int64_t items_per_row = (n_tokens + page_size - 1) / page_size + 1;
+  const int64_t token_bytes = g.n_heads * g.head_dim * elem_size;
+  const int64_t bytes_per_item = 2 * std::min(n_tokens, page_size) * token_bytes;
+  at::parallel_for(0, table.rows * items_per_row, grain_for(bytes_per_item), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / items_per_row;
+      const int64_t start = starts[static_cast<size_t>(row)];
+      const int64_t col = start / page_size + item % items_per_row;
+      const int64_t first = std::max(col * page_size, start);
+      const int64_t last = std::min((col + 1) * page_size, start + n_tokens);
+      if (first >= last) continue;
+      const int64_t page = table(row, col);
+      const int64_t in_page = (first - col * page_size) * dst.strides.token;
+      const int64_t token = first - start;
+      const BlockShape shape{last - first, g.n_heads, g.head_dim, elem_size};
+      copy_block(dst.k + page * dst.page_bytes + in_page, dst.strides,
+                 src.k + row * src.k_batch_stride + token * src.k_strides.token, src.k_strides, shape);
+      copy_block(dst.v + page * dst.page_bytes + in_page, dst.strides,
+                 src.v + row * src.v_batch_stride + token * src.v_strides.token, src.v_strides, shape);
+    }
+  });
+}
+
+/// Reads positions [0, lengths[b]) of every sequence into contiguous
+/// [B, T, H, D] outputs; positions past a length, and unmapped pages, are zeros.
+template <class Index>
+void gather_cpu(const PageTableRef<Index>& table,    // [B, max_pages]
+                const std::vector<int64_t>& lengths,  // [B], each <= T
+                int64_t n_tokens,                     // T
+                const LayerPages<const char>& src, const TokenMajorKv<char>& dst, const PageGeometry& g,
+                int64_t elem_size) {
+  if (n_tokens == 0 || table.rows == 0) return;
+  const int64_t page_size = g.page_size;
+  const int64_t cols = (n_tokens + page_size - 1) / page_size;
+  const int64_t token_bytes = g.n_heads * g.head_dim * elem_size;
+  const int64_t bytes_per_item = 2 * std::min(n_tokens, page_size) * token_bytes;
+  at::parallel_for(0, table.rows * cols, grain_for(bytes_per_item), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / cols;
+      const int64_t col = item % cols;
+      const int64_t first = col * page_size;
+      const int64_t last = std::min(first + page_size, n_tokens);
+      int64_t valid_end = std::min(std::max(lengths[static_cast<size_t>(row)], first), last);
+      const int64_t page = valid_end > first ? table(row, col) : kUnmappedPage;
+      if (page == kUnmappedPage) valid_end = first;
+      char* k_out = dst.k + row * dst.k_batch_stride + first * token_bytes;
+      char* v_out = dst.v + row * dst.v_batch_stride + first * token_bytes;
+      if (valid_end > first) {
+        const BlockShape shape{valid_end - first, g.n_heads, g.head_dim, elem_size};
+        copy_block(k_out, dst.k_strides, src.k + page * src.page_bytes, src.strides, shape);
+        copy_block(v_out, dst.v_strides, src.v + page * src.page_bytes, src.strides, shape);
+      }
+      const int64_t valid_bytes = (valid_end - first) * token_bytes;
+      zero_tokens(k_out + valid_bytes, last - valid_end, token_bytes);
+      zero_tokens(v_out + valid_bytes, last - valid_end, token_bytes);
+    }
+  });
+}
+
+/// Row of the [n_pages * page_size * n_heads, head_dim] view of one layer
+/// that holds (page, token offset, head): the layout's strides in head rows.
+inline int64_t head_row(const PageGeometry& g, int64_t page, int64_t offset, int64_t head) {
+  return (page * g.page_elems + g.offset(offset, head)) / g.head_dim;
+}
+
+inline at::Tensor host_index(const std::vector<int64_t>& values, const at::Device& device) {
+  at::Tensor host = at::empty({static_cast<int64_t>(values.size())}, at::kLong);
+  std::copy(values.begin(), values.end(), host.data_ptr<int64_t>());
+  return device.is_cpu() ? host : host.to(device);
+}
+
+/// Device-agnostic write: index_copy_ of head rows into the flattened layer.
+template <class Index>
+void write_generic(const PageTableRef<Index>& table, const std::vector<int64_t>& starts, int64_t n_tokens,
+                   const at::Tensor& k,        // [B, S, H, D]
+                   const at::Tensor& v,        // [B, S, H, D]
+                   const at::Tensor& k_layer,  // [n_pages, <page>]
+                   const at::Tensor& v_layer,  // [n_pages, <page>]
+                   const PageGeometry& g) {
+  if (n_tokens == 0 || table.rows == 0) return;
+  std::vector<int64_t> rows;
+  rows.reserve(static_cast<size_t>(table.rows * n_tokens * g.n_heads));
+  for (int64_t b = 0; b < table.rows; ++b) {
+    for (int64_t s = 0; s < n_tokens; ++s) {
+      const int64_t pos = starts[static_cast<size_t>(b)] + s;
+      const int64_t page = table(b, pos / g.page_size);
+      for (int64_t h = 0; h < g.n_heads; ++h) rows.push_back(head_row(g, page, pos % g.page_size, h));
+    }
+  }
+  const at::Tensor index = host_index(rows, k_layer.device());
+  k_layer.view({-1, g.head_dim}).index_copy_(0, index, k.reshape({-1, g.head_dim}));
+  v_layer.view({-1, g.head_dim}).index_copy_(0, index, v.reshape({-1, g.head_dim}));
+}
+
+/// Device-agnostic gather: index_select of head rows, index_copy_ into a
+/// zeroed output so that padding and unmapped pages stay zero.
+template <class Index>
+std::pair<at::Tensor, at::Tensor> gather_generic(const PageTableRef<Index>& table,
+                                                 const std::vector<int64_t>& lengths, int64_t n_tokens,
+                                                 const at::Tensor& k_layer,  // [n_pages, <page>]
+                                                 const at::Tensor& v_layer,  // [n_pages, <page>]
+                                                 const PageGeometry& g) {
+  const int64_t batch = table.rows;
+  at::Tensor k_out = at::zeros({batch * n_tokens * g.n_heads, g.head_dim}, k_layer.options());
+  at::Tensor v_out = at::zeros({batch * n_tokens * g.n_heads, g.head_dim}, v_layer.options());
+  std::vector<int64_t> out_rows;
+  std::vector<int64_t> cache_rows;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t length = std::min(lengths[static_cast<size_t>(b)], n_tokens);
+    for (int64_t t = 0; t < length; ++t) {
+      const int64_t page = table(b, t / g.page_size);
+      if (page == kUnmappedPage) continue;
+      for (int64_t h = 0; h < g.n_heads; ++h) {
+        out_rows.push_back((b * n_tokens + t) * g.n_heads + h);
+        cache_rows.push_back(head_row(g, page, t % g.page_size, h));
+      }
+    }
+  }
+  if (!out_rows.empty()) {
+    const at::Tensor out_index = host_index(out_rows, k_layer.device());
+    const at::Tensor cache_index = host_index(cache_rows, k_layer.device());
+    k_out.index_copy_(0, out_index, k_layer.view({-1, g.head_dim}).index_select(0, cache_index));
+    v_out.index_copy_(0, out_index, v_layer.view({-1, g.head_dim}).index_select(0, cache_index));
+  }
+  return {k_out.view({batch, n_tokens, g.n_heads, g.head_dim}), v_out.view({batch, n_tokens, g.n_heads, g.head_dim})};
+}
+
+}  // namespace kernels
+}  // namespace pagedkv

@@ -1,0 +1,72 @@
+// Page layouts: tag types that fix the memory order of one page. Kernels
+// never branch on the layout: it is resolved once into a PageGeometry.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+namespace pagedkv {
+
+/// Token-major page: [page_size, n_kv_heads, head_dim] (the reference's).
+struct NHD {
+  /// Name used in error messages.
+  static constexpr const char* name = "NHD";
+  /// Shape of one page.
+  static std::array<int64_t, 3> page_shape(int64_t page_size, int64_t n_heads, int64_t head_dim) {
+    return {page_size, n_heads, head_dim};
+  }
+  /// Elements between token t and t+1 of one head inside a page.
+  static constexpr int64_t token_stride(int64_t /*page_size*/, int64_t n_heads, int64_t head_dim) {
+    return n_heads * head_dim;
+  }
+  /// Elements between head h and h+1 of one token inside a page.
+  static constexpr int64_t head_stride(int64_t /*page_size*/, int64_t /*n_heads*/, int64_t head_dim) {
+    return head_dim;
+  }
+};
+
+/// Head-major page: [n_kv_heads, page_size, head_dim] (attention-friendly:
+/// one head's keys of a page are contiguous).
+struct HND {
+  /// Name used in error messages.
+  static constexpr const char* name = "HND";
+  /// Shape of one page.
+  static std::array<int64_t, 3> page_shape(int64_t page_size, int64_t n_heads, int64_t head_dim) {
+    return {n_heads, page_size, head_dim};
+  }
+  /// Elements between token t and t+1 of one head inside a page.
+  static constexpr int64_t token_stride(int64_t /*page_size*/, int64_t /*n_heads*/, int64_t head_dim) {
+    return head_dim;
+  }
+  /// Elements between head h and h+1 of one token inside a page.
+  static constexpr int64_t head_stride(int64_t page_size, int64_t /*n_heads*/, int64_t head_dim) {
+    return page_size * head_dim;
+  }
+};
+
+/// One page's geometry with the layout resolved into element strides.
+struct PageGeometry {
+  int64_t page_size;     ///< tokens per page
+  int64_t n_heads;       ///< kv heads
+  int64_t head_dim;      ///< elements per head vector
+  int64_t token_stride;  ///< elements between consecutive tokens of one head
+  int64_t head_stride;   ///< elements between consecutive heads of one token
+  int64_t page_elems;    ///< elements in one page
+
+  /// Element offset of (token, head) inside a page.
+  int64_t offset(int64_t token, int64_t head) const noexcept {
+    return token * token_stride + head * head_stride;
+  }
+
+  template <class Layout>
+  static PageGeometry of(int64_t page_size, int64_t n_heads, int64_t head_dim) {
+    return {page_size,
+            n_heads,
+            head_dim,
+            Layout::token_stride(page_size, n_heads, head_dim),
+            Layout::head_stride(page_size, n_heads, head_dim),
+            page_size * n_heads * head_dim};
+  }
+};
+
+}  // namespace pagedkv

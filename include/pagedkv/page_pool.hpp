@@ -1,0 +1,105 @@
+// PagePool: reference-counted page allocator over a hierarchical free bitmap.
+// Lowest-first and deterministic: the same calls give the same ids on every
+// rank and every run, as in the reference's `_free_mask`.
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "pagedkv/bitmap.hpp"
+
+namespace pagedkv {
+
+class PagePool {
+ public:
+  explicit PagePool(int64_t n_pages) : free_(checked_size(n_pages), /*all_set=*/true),
+                                       refs_(static_cast<size_t>(n_pages), 0),
+                                       n_free_(n_pages) {}
+
+  /// Lowest-numbered free page with ref = 1; -1 when none is free.
+  int64_t alloc() noexcept {
+    const int64_t page = free_.find_first();
+    if (page < 0) return -1;
+    take(page);
+    return page;
+  }
+
+  /// n pages, ascending (each the lowest free); {} and no change when fewer
+  /// than n are free.
+  std::vector<int64_t> alloc_n(int64_t n) {
+    TORCH_CHECK(n >= 0, "pagedkv::PagePool::alloc_n: argument 'n' expected >= 0, got ", n);
+    std::vector<int64_t> pages;
+    if (n > n_free_) return pages;
+    pages.reserve(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) pages.push_back(alloc());
+    return pages;
+  }
+
+  /// ref += 1 on an allocated page (sharing a prefix, forking a beam).
+  void retain(int64_t page) {
+    check_in_range("retain", page);
+    TORCH_CHECK(refs_[idx(page)] > 0, "pagedkv::PagePool::retain: argument 'page' expected an allocated page, got page ",
+                page, " which is free (retain of a free page)");
+    TORCH_CHECK(refs_[idx(page)] < std::numeric_limits<int32_t>::max(),
+                "pagedkv::PagePool::retain: argument 'page' expected ref_count < ",
+                std::numeric_limits<int32_t>::max(), ", got page ", page, " at the limit");
+    ++refs_[idx(page)];
+  }
+
+  /// ref -= 1; the page is free again at 0.
+  void free(int64_t page) {
+    check_in_range("free", page);
+    TORCH_CHECK(refs_[idx(page)] > 0, "pagedkv::PagePool::free: argument 'page' expected an allocated page, got page ",
+                page, " which is already free (double free)");
+    if (--refs_[idx(page)] == 0) {
+      free_.set(page);
+      ++n_free_;
+    }
+  }
+
+  /// 0 for a free page.
+  int64_t ref_count(int64_t page) const {
+    check_in_range("ref_count", page);
+    return refs_[idx(page)];
+  }
+
+  /// Whether `page` is in range and allocated (no throw: for validators).
+  bool is_allocated(int64_t page) const noexcept {
+    return page >= 0 && page < n_pages() && refs_[idx(page)] > 0;
+  }
+
+  int64_t n_pages() const noexcept { return static_cast<int64_t>(refs_.size()); }
+  int64_t n_free() const noexcept { return n_free_; }
+
+ private:
+  static int64_t checked_size(int64_t n_pages) {
+    TORCH_CHECK(n_pages >= 1, "pagedkv::PagePool: argument 'n_pages' expected >= 1, got ", n_pages);
+    TORCH_CHECK(n_pages <= std::numeric_limits<int32_t>::max(),
+                "pagedkv::PagePool: argument 'n_pages' expected <= ", std::numeric_limits<int32_t>::max(), ", got ",
+                n_pages);
+    return n_pages;
+  }
+
+  static size_t idx(int64_t page) noexcept { return static_cast<size_t>(page); }
+
+  void check_in_range(const char* fn, int64_t page) const {
+    TORCH_CHECK_INDEX(page >= 0 && page < n_pages(), "pagedkv::PagePool::", fn,
+                      ": argument 'page' expected in [0, ", n_pages(), "), got ", page);
+  }
+
+  void take(int64_t page) noexcept {
+    free_.clear(page);
+    refs_[idx(page)] = 1;
+    --n_free_;
+  }
+
+  HierarchicalBitmap free_;   // bit set = page free
+  std::vector<int32_t> refs_;  // [n_pages]
+  int64_t n_free_;
+};
+
+}  // namespace pagedkv

@@ -1,0 +1,248 @@
+// PagedCache<Layout>: a PagePool plus K/V storage [n_layers, n_pages, <page>]
+// with page-table-indirected write and gather. Every public call validates
+// all of its input before it changes anything.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "pagedkv/cache_view.hpp"
+#include "pagedkv/checks.hpp"
+#include "pagedkv/kernels.hpp"
+#include "pagedkv/layouts.hpp"
+#include "pagedkv/page_pool.hpp"
+#include "pagedkv/page_table.hpp"
+
+namespace pagedkv {
+
+template <class Layout = NHD>
+class PagedCache {
+ public:
+  PagedCache(int64_t n_layers, int64_t n_pages, int64_t page_size, int64_t n_kv_heads, int64_t head_dim,
+             at::TensorOptions options = at::TensorOptions().dtype(at::kHalf))
+      : geometry_(checked_geometry(n_layers, page_size, n_kv_heads, head_dim)),
+        n_layers_(n_layers),
+        pool_(n_pages),
+        k_cache_(at::zeros(storage_shape(n_layers, n_pages), options.requires_grad(false))),
+        v_cache_(at::zeros(storage_shape(n_layers, n_pages), options.requires_grad(false))) {}
+
+  // ---- pool, forwarded to the owned PagePool ----
+  int64_t alloc() { return pool_.alloc(); }
+  std::vector<int64_t> alloc_n(int64_t n) { return pool_.alloc_n(n); }
+  void free(int64_t page) { pool_.free(page); }
+  void retain(int64_t page) { pool_.retain(page); }
+  int64_t ref_count(int64_t page) const { return pool_.ref_count(page); }
+  int64_t n_free() const { return pool_.n_free(); }
+  PagePool& pool() { return pool_; }
+  const PagePool& pool() const { return pool_; }
+
+  // ---- page-table-indirected kernels ----
+
+  /// Token s of every sequence goes to logical position start_pos + s.
+  void write(int64_t layer,
+             const at::Tensor& page_table,  // [B, max_pages] int32/int64
+             int64_t start_pos,
+             const at::Tensor& k,  // [B, S, H, D], any strides
+             const at::Tensor& v)  // [B, S, H, D], any strides
+  {
+    const checks::Caller caller{"PagedCache", Layout::name, "write"};
+    check_write_args(caller, layer, page_table, k, v);
+    checks::non_negative(caller, "start_pos", start_pos);
+    write_checked(caller, layer, page_table, std::vector<int64_t>(static_cast<size_t>(k.size(0)), start_pos), k, v);
+  }
+
+  /// Token s of sequence b goes to logical position start_pos[b] + s.
+  void write(int64_t layer,
+             const at::Tensor& page_table,  // [B, max_pages] int32/int64
+             const at::Tensor& start_pos,   // [B] int32/int64
+             const at::Tensor& k,           // [B, S, H, D], any strides
+             const at::Tensor& v)           // [B, S, H, D], any strides
+  {
+    const checks::Caller caller{"PagedCache", Layout::name, "write"};
+    check_write_args(caller, layer, page_table, k, v);
+    write_checked(caller, layer, page_table, checks::per_sequence(caller, "start_pos", start_pos, k.size(0), device()),
+                  k, v);
+  }
+
+  /// k, v as contiguous [B, T, H, D], T = page_size x the leading columns
+  /// that map a page in some row; unmapped (-1) pages read as zeros.
+  std::pair<at::Tensor, at::Tensor> gather(int64_t layer,
+                                           const at::Tensor& page_table)  // [B, max_pages]
+      const {
+    const checks::Caller caller{"PagedCache", Layout::name, "gather"};
+    checks::layer(caller, layer, n_layers_);
+    checks::page_table(caller, page_table, device());
+    const at::Tensor host_table = on_host(page_table);
+    return visit_page_table(host_table, [&](const auto& table) {
+      const int64_t cols = checks::mapped_columns(table);
+      checks::readable_columns(caller, table, cols, pool_);
+      const int64_t n_tokens = cols * page_size();
+      return gather_checked(layer, table, std::vector<int64_t>(static_cast<size_t>(table.rows), n_tokens), n_tokens);
+    });
+  }
+
+  /// k, v as contiguous [B, max(lengths), H, D]; positions at or beyond a
+  /// sequence's length are zeros.
+  std::pair<at::Tensor, at::Tensor> gather(int64_t layer,
+                                           const at::Tensor& page_table,  // [B, max_pages]
+                                           const at::Tensor& lengths)     // [B]
+      const {
+    const checks::Caller caller{"PagedCache", Layout::name, "gather"};
+    checks::layer(caller, layer, n_layers_);
+    checks::page_table(caller, page_table, device());
+    const std::vector<int64_t> lens = checks::per_sequence(caller, "lengths", lengths, page_table.size(0), device());
+    const at::Tensor host_table = on_host(page_table);
+    return visit_page_table(host_table, [&](const auto& table) {
+      for (int64_t row = 0; row < table.rows; ++row) {
+        checks::mapped_prefix(caller, table, row, lens[static_cast<size_t>(row)], page_size(), pool_);
+      }
+      const int64_t n_tokens = lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());
+      return gather_checked(layer, table, lens, n_tokens);
+    });
+  }
+
+  /// A view whose gather returns the first total_len tokens (0 = all).
+  CacheView<Layout> bind(const at::Tensor& page_table, int64_t total_len = 0) {
+    const checks::Caller caller{"PagedCache", Layout::name, "bind"};
+    checks::page_table(caller, page_table, device());
+    checks::non_negative(caller, "total_len", total_len);
+    check_total_len(caller, on_host(page_table), total_len);
+    return CacheView<Layout>(this, page_table, total_len);
+  }
+
+  /// A view whose gather uses per-sequence lengths [B].
+  CacheView<Layout> bind(const at::Tensor& page_table, const at::Tensor& lengths) {
+    const checks::Caller caller{"PagedCache", Layout::name, "bind"};
+    checks::page_table(caller, page_table, device());
+    const std::vector<int64_t> lens = checks::per_sequence(caller, "lengths", lengths, page_table.size(0), device());
+    visit_page_table(on_host(page_table), [&](const auto& table) {
+      for (int64_t row = 0; row < table.rows; ++row) {
+        checks::mapped_prefix(caller, table, row, lens[static_cast<size_t>(row)], page_size(), pool_);
+      }
+    });
+    return CacheView<Layout>(this, page_table, lengths);
+  }
+
+  /// [n_layers, n_pages, <page shape>]
+  const at::Tensor& k_cache() const { return k_cache_; }
+  /// [n_layers, n_pages, <page shape>]
+  const at::Tensor& v_cache() const { return v_cache_; }
+  int64_t n_layers() const { return n_layers_; }
+  int64_t n_pages() const { return pool_.n_pages(); }
+  int64_t page_size() const { return geometry_.page_size; }
+  int64_t n_kv_heads() const { return geometry_.n_heads; }
+  int64_t head_dim() const { return geometry_.head_dim; }
+  /// The layout resolved into strides.
+  const PageGeometry& geometry() const { return geometry_; }
+  at::Device device() const { return k_cache_.device(); }
+
+ private:
+  friend class CacheView<Layout>;
+
+  static PageGeometry checked_geometry(int64_t n_layers, int64_t page_size, int64_t n_kv_heads, int64_t head_dim) {
+    const checks::Caller caller{"PagedCache", Layout::name, "PagedCache"};
+    checks::positive(caller, "n_layers", n_layers);
+    checks::positive(caller, "page_size", page_size);
+    checks::positive(caller, "n_kv_heads", n_kv_heads);
+    checks::positive(caller, "head_dim", head_dim);
+    return PageGeometry::of<Layout>(page_size, n_kv_heads, head_dim);
+  }
+
+  std::vector<int64_t> storage_shape(int64_t n_layers, int64_t n_pages) const {
+    const auto page = Layout::page_shape(geometry_.page_size, geometry_.n_heads, geometry_.head_dim);
+    return {n_layers, n_pages, page[0], page[1], page[2]};
+  }
+
+  static at::Tensor on_host(const at::Tensor& t) { return t.device().is_cpu() ? t : t.to(at::kCPU); }
+
+  at::ScalarType dtype() const { return k_cache_.scalar_type(); }
+
+  void check_write_args(const checks::Caller& caller, int64_t layer, const at::Tensor& page_table,
+                        const at::Tensor& k, const at::Tensor& v) const {
+    checks::layer(caller, layer, n_layers_);
+    checks::page_table(caller, page_table, device());
+    checks::key_values(caller, k, v, page_table.size(0), geometry_, dtype(), device());
+  }
+
+  void check_total_len(const checks::Caller& caller, const at::Tensor& host_table, int64_t total_len) const {
+    visit_page_table(host_table, [&](const auto& table) {
+      const int64_t mapped = checks::mapped_columns(table) * page_size();
+      TORCH_CHECK_INDEX(total_len <= mapped, caller, ": argument 'total_len' expected <= ", mapped,
+                        " (the tokens the page table maps), got ", total_len);
+    });
+  }
+
+  /// Used by CacheView::gather for views bound with total_len > 0.
+  std::pair<at::Tensor, at::Tensor> gather_prefix(int64_t layer, const at::Tensor& page_table,
+                                                  int64_t total_len) const {
+    const checks::Caller caller{"CacheView", Layout::name, "gather"};
+    checks::layer(caller, layer, n_layers_);
+    checks::page_table(caller, page_table, device());
+    const at::Tensor host_table = on_host(page_table);
+    check_total_len(caller, host_table, total_len);
+    return visit_page_table(host_table, [&](const auto& table) {
+      checks::readable_columns(caller, table, (total_len + page_size() - 1) / page_size(), pool_);
+      return gather_checked(layer, table, std::vector<int64_t>(static_cast<size_t>(table.rows), total_len),
+                            total_len);
+    });
+  }
+
+  void write_checked(const checks::Caller& caller, int64_t layer, const at::Tensor& page_table,
+                     const std::vector<int64_t>& starts, const at::Tensor& k, const at::Tensor& v) {
+    const int64_t n_tokens = k.size(1);
+    visit_page_table(on_host(page_table), [&](const auto& table) {
+      for (int64_t row = 0; row < table.rows; ++row) {
+        checks::write_range(caller, table, row, starts[static_cast<size_t>(row)], n_tokens, page_size(), pool_);
+      }
+      // Validated: from here on nothing throws.
+      const at::Tensor k_layer = k_cache_.select(0, layer);
+      const at::Tensor v_layer = v_cache_.select(0, layer);
+      if (kernels::use_cpu_kernels(device())) {
+        const auto src = kernels::token_major(static_cast<const char*>(k.data_ptr()), k,
+                                              static_cast<const char*>(v.data_ptr()), v);
+        const kernels::LayerPages<char> dst{static_cast<char*>(k_layer.data_ptr()),
+                                            static_cast<char*>(v_layer.data_ptr()), page_bytes(),
+                                            kernels::page_strides(geometry_, elem_size())};
+        kernels::write_cpu(table, starts, n_tokens, src, dst, geometry_, elem_size());
+      } else {
+        kernels::write_generic(table, starts, n_tokens, k, v, k_layer, v_layer, geometry_);
+      }
+    });
+  }
+
+  template <class Index>
+  std::pair<at::Tensor, at::Tensor> gather_checked(int64_t layer, const PageTableRef<Index>& table,
+                                                   const std::vector<int64_t>& lengths, int64_t n_tokens) const {
+    const at::Tensor k_layer = k_cache_.select(0, layer);
+    const at::Tensor v_layer = v_cache_.select(0, layer);
+    if (!kernels::use_cpu_kernels(device())) {
+      return kernels::gather_generic(table, lengths, n_tokens, k_layer, v_layer, geometry_);
+    }
+    at::Tensor k_out = at::empty({table.rows, n_tokens, n_kv_heads(), head_dim()}, k_cache_.options());
+    at::Tensor v_out = at::empty({table.rows, n_tokens, n_kv_heads(), head_dim()}, v_cache_.options());
+    const kernels::LayerPages<const char> src{static_cast<const char*>(k_layer.data_ptr()),
+                                              static_cast<const char*>(v_layer.data_ptr()), page_bytes(),
+                                              kernels::page_strides(geometry_, elem_size())};
+    const auto dst = kernels::token_major(static_cast<char*>(k_out.data_ptr()), k_out,
+                                          static_cast<char*>(v_out.data_ptr()), v_out);
+    kernels::gather_cpu(table, lengths, n_tokens, src, dst, geometry_, elem_size());
+    return {k_out, v_out};
+  }
+
+  int64_t elem_size() const { return static_cast<int64_t>(k_cache_.element_size()); }
+  int64_t page_bytes() const { return geometry_.page_elems * elem_size(); }
+
+  PageGeometry geometry_;
+  int64_t n_layers_;
+  PagePool pool_;
+  at::Tensor k_cache_;  // [n_layers, n_pages, <page>]
+  at::Tensor v_cache_;  // [n_layers, n_pages, <page>]
+};
+
+}  // namespace pagedkv

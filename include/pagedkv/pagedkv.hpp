@@ -1,0 +1,13 @@
+// pagedkv: a paged KV cache for LLM inference over libtorch tensors.
+// The umbrella header: include this one.
+#pragma once
+
+#include "pagedkv/bits.hpp"
+#include "pagedkv/bitmap.hpp"
+#include "pagedkv/cache_view.hpp"
+#include "pagedkv/checks.hpp"
+#include "pagedkv/kernels.hpp"
+#include "pagedkv/layouts.hpp"
+#include "pagedkv/page_pool.hpp"
+#include "pagedkv/page_table.hpp"
+#include "pagedkv/paged_cache.hpp"
