@@ -1,0 +1,388 @@
+// paged_attention: decode and chunked prefill against a float64 reference
+// (gather, then softmax(q k^T * scale + causal mask) v), for both layouts,
+// fp32/fp16/bf16, page sizes 1/3/16, GQA ratios 1/4/8, ragged lengths,
+// int32/int64 page tables, split contexts; and every bad input — on every
+// test target (cpu, cpu_generic = the ATen fallback, cuda).
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "test_support.hpp"
+
+namespace {
+
+using pagedkv::HND;
+using pagedkv::NHD;
+using pagedkv::PagedCache;
+using pagedkv::paged_attention;
+using pagedkv_test::bitwise_equal;
+using pagedkv_test::ints;
+using pagedkv_test::table;
+using pagedkv_test::Target;
+
+template <class Body>
+void for_each_layout(Body&& body) {
+  body(NHD{});
+  body(HND{});
+}
+
+/// softmax(q k^T * scale + causal mask) v in float64, per sequence.
+/// q: [B, Sq, Hq, D]; k[b], v[b]: [lengths[b], H, D]. Returns [B, Sq, Hq, D] float64 (cpu).
+at::Tensor reference(const at::Tensor& q, const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
+                     double scale) {
+  const int64_t batch = q.size(0), n_queries = q.size(1), n_heads = q.size(2);
+  std::vector<at::Tensor> outs;
+  for (int64_t b = 0; b < batch; ++b) {
+    const at::Tensor kb = k[static_cast<size_t>(b)].cpu().to(at::kDouble);  // [L, H, D]
+    const at::Tensor vb = v[static_cast<size_t>(b)].cpu().to(at::kDouble);
+    const int64_t length = kb.size(0), group = n_heads / kb.size(1);
+    const at::Tensor qb = q[b].cpu().to(at::kDouble).permute({1, 0, 2});                      // [Hq, Sq, D]
+    const at::Tensor ke = kb.repeat_interleave(group, 1).permute({1, 2, 0});                  // [Hq, D, L]
+    const at::Tensor ve = vb.repeat_interleave(group, 1).permute({1, 0, 2});                  // [Hq, L, D]
+    at::Tensor scores = at::matmul(qb, ke) * scale;                                           // [Hq, Sq, L]
+    const at::Tensor pos = at::arange(length, at::kLong).view({1, length});
+    const at::Tensor last = at::arange(n_queries, at::kLong).view({n_queries, 1}) + (length - n_queries);
+    scores.masked_fill_(pos.gt(last).unsqueeze(0), -INFINITY);
+    outs.push_back(at::matmul(at::softmax(scores, -1), ve).permute({1, 0, 2}));  // [Sq, Hq, D]
+  }
+  return at::stack(outs);
+}
+
+double rel_error(const at::Tensor& out, const at::Tensor& ref) {
+  const at::Tensor o = out.cpu().to(at::kDouble);
+  return (o - ref).abs().max().item<double>() / std::max(1e-12, ref.abs().max().item<double>());
+}
+
+double tolerance(at::ScalarType dtype) { return dtype == at::kFloat ? 1e-5 : 2e-2; }
+
+class AttentionTest : public ::testing::TestWithParam<Target> {
+ protected:
+  void SetUp() override { PAGEDKV_SKIP_IF_UNAVAILABLE(GetParam()); }
+  at::TensorOptions opts(at::ScalarType dtype = at::kFloat) const {
+    return at::TensorOptions().dtype(dtype).device(GetParam().device);
+  }
+  pagedkv::ScopedBackend backend_{GetParam().backend};
+};
+
+/// A cache holding per-sequence K/V of `lengths` tokens on scattered pages,
+/// and those K/V for the reference.
+template <class L>
+struct Filled {
+  PagedCache<L> cache;
+  at::Tensor page_table;  // [B, cols]
+  at::Tensor lengths;     // [B]
+  std::vector<at::Tensor> k, v;  // [lengths[b], H, D] each
+
+  Filled(const std::vector<int64_t>& lens, int64_t page_size, int64_t kv_heads, int64_t head_dim,
+         at::TensorOptions options, at::ScalarType index, uint64_t seed, int64_t layer = 1, int64_t spare_cols = 1)
+      : cache(2, pages_needed(lens, page_size, spare_cols) + 3, page_size, kv_heads, head_dim, options) {
+    const int64_t batch = static_cast<int64_t>(lens.size());
+    const int64_t cols = max_cols(lens, page_size) + spare_cols;
+    std::vector<int64_t> pages = cache.alloc_n(cache.n_pages() - 1);  // one page stays free
+    std::mt19937_64 rng(seed);
+    std::shuffle(pages.begin(), pages.end(), rng);
+    std::vector<std::vector<int64_t>> rows(static_cast<size_t>(batch), std::vector<int64_t>(cols, -1));
+    size_t next = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      // Map the pages the sequence uses, plus a spare column (then -1).
+      const int64_t used = (lens[static_cast<size_t>(b)] + page_size - 1) / page_size + spare_cols;
+      for (int64_t c = 0; c < std::min(used, cols); ++c) rows[static_cast<size_t>(b)][static_cast<size_t>(c)] = pages[next++];
+    }
+    page_table = table(rows, index).to(options.device());
+    lengths = ints(lens, index).to(options.device());
+    at::manual_seed(seed);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t len = lens[static_cast<size_t>(b)];
+      k.push_back(at::randn({len, kv_heads, head_dim}, at::kFloat).to(options));
+      v.push_back(at::randn({len, kv_heads, head_dim}, at::kFloat).to(options));
+      if (len > 0) {
+        cache.write(layer, page_table.slice(0, b, b + 1), 0, k.back().unsqueeze(0), v.back().unsqueeze(0));
+      }
+    }
+  }
+
+  static int64_t max_cols(const std::vector<int64_t>& lens, int64_t page_size) {
+    int64_t m = 0;
+    for (int64_t l : lens) m = std::max(m, (l + page_size - 1) / page_size);
+    return m;
+  }
+  static int64_t pages_needed(const std::vector<int64_t>& lens, int64_t page_size, int64_t spare_cols) {
+    int64_t n = 0;
+    for (int64_t l : lens) n += (l + page_size - 1) / page_size + spare_cols;
+    return n;
+  }
+};
+
+TEST(AttentionKernels, HalfConversionIsBitIdenticalToC10) {
+  for (uint32_t bits = 0; bits <= 0xFFFF; ++bits) {
+    const float ours = pagedkv::attention_kernels::half_to_float(static_cast<uint16_t>(bits));
+    const float theirs = static_cast<float>(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits()));
+    uint32_t a, b;
+    std::memcpy(&a, &ours, 4);
+    std::memcpy(&b, &theirs, 4);
+    ASSERT_EQ(a, b) << "half bits " << bits;
+  }
+}
+
+TEST(AttentionKernels, PlanSplitsLongContextsAcrossThreads) {
+  using pagedkv::attention_kernels::plan;
+  // B = 1 x 32k tokens, 8 kv heads, 16 threads: split into >= 8 pieces.
+  const auto p = plan({32768}, 1, 4, 8, 16);
+  EXPECT_GE(static_cast<int64_t>(p.work.size()) * 8, 64);
+  ASSERT_EQ(p.split.size(), 1u);
+  int64_t covered = 0;
+  for (const auto& w : p.work) {
+    EXPECT_EQ(w.t0, covered);
+    covered = w.t1;
+  }
+  EXPECT_EQ(covered, 32768);
+  // A large batch already fills the threads: no split.
+  EXPECT_TRUE(plan(std::vector<int64_t>(32, 2048), 1, 4, 8, 16).split.empty());
+  // One thread: never split.
+  EXPECT_TRUE(plan({32768}, 1, 4, 8, 1).split.empty());
+  // Chunked prefill: query tiles read only up to their last query's position.
+  const auto prefill = plan({100}, 40, 1, 1, 1);
+  ASSERT_EQ(prefill.work.size(), 2u);
+  EXPECT_EQ(prefill.work[0].t1, 60 + 32);
+  EXPECT_EQ(prefill.work[1].t1, 100);
+}
+
+TEST_P(AttentionTest, MatchesFloat64ReferenceAcrossShapes) {
+  std::mt19937_64 rng(1234);
+  uint64_t seed = 1;
+  for (at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    for (int64_t page_size : {1, 3, 16}) {
+      for (int64_t group : {1, 4, 8}) {
+        for (int64_t n_queries : {1, 5}) {
+          for_each_layout([&](auto layout) {
+            using L = decltype(layout);
+            const at::ScalarType index = (seed % 2 == 0) ? at::kInt : at::kLong;
+            const int64_t kv_heads = 2;
+            const int64_t head_dim = (seed % 3 == 0) ? 20 : 32;  // 20: a tail past the 16-wide dot
+            std::vector<int64_t> lens;
+            for (int b = 0; b < 3; ++b) lens.push_back(n_queries + static_cast<int64_t>(rng() % 70));
+            lens[0] = n_queries;  // no prefix at all (decode at position 0 / a fresh prefill)
+            Filled<L> f(lens, page_size, kv_heads, head_dim, opts(dtype), index, ++seed);
+            const at::Tensor q = at::randn({3, n_queries, kv_heads * group, head_dim}, at::kFloat).to(opts(dtype));
+            const auto view = f.cache.bind(f.page_table, f.lengths);
+            const at::Tensor out = paged_attention(view, 1, q);
+            const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+            const double err = rel_error(out, reference(q, f.k, f.v, scale));
+            EXPECT_LT(err, tolerance(dtype)) << L::name << " " << dtype << " P=" << page_size << " G=" << group
+                                             << " Sq=" << n_queries << " index=" << index << " D=" << head_dim;
+            EXPECT_EQ(out.sizes(), q.sizes());
+            EXPECT_EQ(out.scalar_type(), dtype);
+            EXPECT_EQ(out.device(), q.device());
+          });
+        }
+      }
+    }
+  }
+}
+
+TEST_P(AttentionTest, ChunkedPrefillOnTopOfAPrefixWrittenThroughTheView) {
+  for_each_layout([&](auto layout) {
+    using L = decltype(layout);
+    const int64_t kv_heads = 2, group = 4, head_dim = 16, page_size = 3, n_new = 7;
+    const std::vector<int64_t> prefix = {10, 0, 23};
+    Filled<L> f(prefix, page_size, kv_heads, head_dim, opts(), at::kLong, 77, /*layer=*/0, /*spare_cols=*/3);
+    // The new chunk is written first (per-sequence starts), then attended to.
+    at::manual_seed(5);
+    const at::Tensor k_new = at::randn({3, n_new, kv_heads, head_dim}).to(opts());
+    const at::Tensor v_new = at::randn({3, n_new, kv_heads, head_dim}).to(opts());
+    auto writer = f.cache.bind(f.page_table, f.lengths);
+    writer.write(0, ints(prefix).to(opts().device()), k_new, v_new);
+    std::vector<int64_t> lens;
+    std::vector<at::Tensor> k_all, v_all;
+    for (int64_t b = 0; b < 3; ++b) {
+      lens.push_back(prefix[static_cast<size_t>(b)] + n_new);
+      k_all.push_back(at::cat({f.k[static_cast<size_t>(b)], k_new[b]}));
+      v_all.push_back(at::cat({f.v[static_cast<size_t>(b)], v_new[b]}));
+    }
+    const auto view = f.cache.bind(f.page_table, ints(lens).to(opts().device()));
+    // q as a slice of a fused QKV projection: non-contiguous.
+    const at::Tensor qkv = at::randn({3, n_new, kv_heads * group + 2 * kv_heads, head_dim}).to(opts());
+    const at::Tensor q = qkv.slice(2, 0, kv_heads * group);
+    ASSERT_FALSE(q.is_contiguous());
+    const double scale = 0.3;
+    const at::Tensor out = paged_attention(view, 0, q, scale);
+    EXPECT_LT(rel_error(out, reference(q, k_all, v_all, scale)), 1e-5) << L::name;
+  });
+}
+
+TEST_P(AttentionTest, LongContextsSplitAcrossThreadsMatch) {
+  // Forces a multi-thread plan so that the split/merge path runs whatever
+  // the machine (OpenMP: the thread count may change between regions).
+  const int previous = at::get_num_threads();
+  at::set_num_threads(4);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for_each_layout([&](auto layout) {
+      using L = decltype(layout);
+      const std::vector<int64_t> lens = {2900, 17};
+      for (int64_t n_queries : {1, 40}) {
+        Filled<L> f(lens, 16, 1, 32, opts(dtype), at::kInt, 99);
+        const at::Tensor q = at::randn({2, n_queries, 8, 32}).to(opts(dtype));
+        if (n_queries > 17) continue;  // lengths must cover the queries
+        const at::Tensor out = paged_attention(f.cache.bind(f.page_table, f.lengths), 1, q);
+        EXPECT_LT(rel_error(out, reference(q, f.k, f.v, 1.0 / std::sqrt(32.0))), tolerance(dtype)) << L::name;
+      }
+      const std::vector<int64_t> prefill_lens = {2900, 1200};
+      Filled<L> f(prefill_lens, 16, 1, 32, opts(dtype), at::kLong, 98);
+      const at::Tensor q = at::randn({2, 40, 2, 32}).to(opts(dtype));
+      const at::Tensor out = paged_attention(f.cache.bind(f.page_table, f.lengths), 1, q);
+      EXPECT_LT(rel_error(out, reference(q, f.k, f.v, 1.0 / std::sqrt(32.0))), tolerance(dtype)) << L::name;
+    });
+  }
+  at::set_num_threads(previous);
+}
+
+TEST_P(AttentionTest, PagedMatchesGatherThenAttentionInADecodeLoop) {
+  for_each_layout([&](auto layout) {
+    using L = decltype(layout);
+    const int64_t kv_heads = 2, group = 2, head_dim = 16, steps = 9;
+    PagedCache<L> cache(1, 16, 4, kv_heads, head_dim, opts(at::kHalf));
+    const auto pages = cache.alloc_n(6);
+    const at::Tensor pt = table({{pages[5], pages[2], pages[0]}, {pages[1], pages[4], pages[3]}}).to(opts().device());
+    std::vector<int64_t> lens = {3, 0};
+    at::manual_seed(11);
+    const at::Tensor prompt_k = at::randn({1, 3, kv_heads, head_dim}).to(opts(at::kHalf));
+    cache.write(0, pt.slice(0, 0, 1), 0, prompt_k, prompt_k);
+    for (int64_t step = 0; step < steps; ++step) {
+      const at::Tensor k = at::randn({2, 1, kv_heads, head_dim}).to(opts(at::kHalf));
+      const at::Tensor v = at::randn({2, 1, kv_heads, head_dim}).to(opts(at::kHalf));
+      cache.write(0, pt, ints(lens).to(opts().device()), k, v);
+      for (auto& l : lens) ++l;
+      const auto view = cache.bind(pt, ints(lens).to(opts().device()));
+      const at::Tensor q = at::randn({2, 1, kv_heads * group, head_dim}).to(opts(at::kHalf));
+      const at::Tensor out = paged_attention(view, 0, q);
+      const auto kv = view.gather(0);  // [B, T, H, D], zeros past each length
+      std::vector<at::Tensor> ks, vs;
+      for (int64_t b = 0; b < 2; ++b) {
+        ks.push_back(kv.first[b].slice(0, 0, lens[static_cast<size_t>(b)]));
+        vs.push_back(kv.second[b].slice(0, 0, lens[static_cast<size_t>(b)]));
+      }
+      EXPECT_LT(rel_error(out, reference(q, ks, vs, 1.0 / std::sqrt(16.0))), 2e-2) << L::name << " step " << step;
+    }
+  });
+}
+
+TEST_P(AttentionTest, EmptyBatchAndNoQueries) {
+  PagedCache<NHD> cache(1, 4, 2, 1, 8, opts());
+  const at::Tensor empty_table = at::empty({0, 3}, at::kLong).to(opts().device());
+  const auto empty_view = cache.bind(empty_table, at::empty({0}, at::kLong).to(opts().device()));
+  EXPECT_EQ(paged_attention(empty_view, 0, at::zeros({0, 1, 2, 8}, opts())).sizes(),
+            (std::vector<int64_t>{0, 1, 2, 8}));
+  const auto pages = cache.alloc_n(1);
+  const auto view = cache.bind(table({{pages[0]}}).to(opts().device()), ints({0}).to(opts().device()));
+  EXPECT_EQ(paged_attention(view, 0, at::zeros({1, 0, 2, 8}, opts())).sizes(), (std::vector<int64_t>{1, 0, 2, 8}));
+}
+
+// ---- bad input: c10::Error with a clear message, nothing changed ----
+
+template <class L>
+struct Snapshot {
+  Snapshot(const PagedCache<L>& cache, const std::vector<at::Tensor>& tensors)
+      : k(cache.k_cache().clone()), v(cache.v_cache().clone()), n_free(cache.n_free()) {
+    for (int64_t p = 0; p < cache.n_pages(); ++p) refs.push_back(cache.ref_count(p));
+    for (const auto& t : tensors) inputs.push_back(t.clone());
+    originals = tensors;
+  }
+  void expect_same_as(const PagedCache<L>& cache) const {
+    EXPECT_TRUE(bitwise_equal(cache.k_cache(), k)) << "k_cache changed";
+    EXPECT_TRUE(bitwise_equal(cache.v_cache(), v)) << "v_cache changed";
+    EXPECT_EQ(cache.n_free(), n_free);
+    for (int64_t p = 0; p < cache.n_pages(); ++p) EXPECT_EQ(cache.ref_count(p), refs[static_cast<size_t>(p)]);
+    for (size_t i = 0; i < inputs.size(); ++i) EXPECT_TRUE(bitwise_equal(originals[i], inputs[i])) << "input changed";
+  }
+  at::Tensor k, v;
+  int64_t n_free;
+  std::vector<int64_t> refs;
+  std::vector<at::Tensor> inputs, originals;
+};
+
+template <class L>
+void expect_rejected(const PagedCache<L>& cache, const std::vector<at::Tensor>& inputs,
+                     const std::function<void()>& call, const std::vector<std::string>& phrases) {
+  const Snapshot<L> before(cache, inputs);
+  EXPECT_THROW(
+      {
+        try {
+          call();
+        } catch (const c10::Error& e) {
+          const std::string message = e.what_without_backtrace();
+          for (const auto& phrase : phrases) EXPECT_NE(message.find(phrase), std::string::npos) << message;
+          throw;
+        }
+      },
+      c10::Error);
+  before.expect_same_as(cache);
+}
+
+TEST_P(AttentionTest, BadInputThrowsAndChangesNothing) {
+  for_each_layout([&](auto layout) {
+    using L = decltype(layout);
+    const std::string fn = std::string("pagedkv::paged_attention<") + L::name + ">";
+    Filled<L> f({5, 9}, 4, 2, 8, opts(), at::kLong, 3);
+    const auto view = f.cache.bind(f.page_table, f.lengths);
+    const at::Tensor q = at::randn({2, 2, 4, 8}).to(opts());
+    const std::vector<at::Tensor> inputs = {q, f.page_table, f.lengths};
+    auto& cache = f.cache;
+
+    expect_rejected(cache, inputs, [&] { paged_attention(view, 2, q); }, {fn, "'layer'", "[0, 2)", "got 2"});
+    expect_rejected(cache, inputs, [&] { paged_attention(view, -1, q); }, {fn, "'layer'"});
+    expect_rejected(cache, inputs, [&] { paged_attention(view, 1, q[0]); }, {fn, "'q'", "4-D", "got 3-D"});
+    expect_rejected(cache, inputs, [&] { paged_attention(view, 1, at::randn({2, 2, 3, 8}).to(opts())); },
+                    {fn, "'q'", "multiple of the cache's n_kv_heads 2", "[2, 2, 3, 8]"});
+    expect_rejected(cache, inputs, [&] { paged_attention(view, 1, at::randn({2, 2, 1, 8}).to(opts())); },
+                    {fn, "'q'", "multiple"});
+    expect_rejected(cache, inputs, [&] { paged_attention(view, 1, at::randn({2, 2, 4, 6}).to(opts())); },
+                    {fn, "'q'", "head_dim 8", "[2, 2, 4, 6]"});
+    expect_rejected(cache, inputs, [&] { paged_attention(view, 1, at::randn({3, 2, 4, 8}).to(opts())); },
+                    {fn, "'q'", "batch 2"});
+    expect_rejected(cache, inputs, [&] { paged_attention(view, 1, q.to(at::kHalf)); },
+                    {fn, "'q'", "dtype Float", "got Half"});
+    expect_rejected(cache, inputs, [&] { paged_attention(view, 1, q, std::nan("")); }, {fn, "'scale'", "finite"});
+    // Lengths missing: a view bound with a total length.
+    const auto total_view = cache.bind(f.page_table, 5);
+    expect_rejected(cache, inputs, [&] { paged_attention(total_view, 1, q); },
+                    {fn, "bound with per-sequence lengths"});
+    // Lengths shorter than Sq, or 0.
+    const auto short_view = cache.bind(f.page_table, ints({1, 9}).to(opts().device()));
+    expect_rejected(cache, inputs, [&] { paged_attention(short_view, 1, q); },
+                    {fn, "'lengths'", "lengths[0] >= 2", "got 1"});
+    const auto zero_view = cache.bind(f.page_table, ints({5, 0}).to(opts().device()));
+    expect_rejected(cache, inputs, [&] { paged_attention(zero_view, 1, q.slice(1, 0, 1)); },
+                    {fn, "'lengths'", "lengths[1] >= 1", "nothing", "got 0"});
+    // The engine grew the bound lengths in place past the mapped pages.
+    const at::Tensor lengths = ints({5, 9}).to(opts().device());
+    const auto grown_view = cache.bind(f.page_table, lengths);
+    lengths.fill_(20);
+    expect_rejected(cache, inputs, [&] { paged_attention(grown_view, 1, q); }, {fn, "'lengths'"});
+    // A page the lengths cover was freed (use after free).
+    const int64_t page = f.page_table[1][2].template item<int64_t>();
+    cache.free(page);
+    expect_rejected(cache, inputs, [&] { paged_attention(view, 1, q); }, {fn, "use after free"});
+    cache.alloc();  // (lowest free page: the one just freed? not necessarily; leave the cache as is)
+    // An unsupported cache dtype.
+    PagedCache<L> doubles(1, 2, 4, 2, 8, opts(at::kDouble));
+    const auto pages = doubles.alloc_n(1);
+    const auto dview = doubles.bind(table({{pages[0]}}).to(opts().device()), ints({1}).to(opts().device()));
+    expect_rejected(doubles, {}, [&] { paged_attention(dview, 0, at::randn({1, 1, 2, 8}, opts(at::kDouble))); },
+                    {fn, "float32, float16 or bfloat16", "got Double"});
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Targets, AttentionTest, ::testing::ValuesIn(pagedkv_test::all_targets()),
+                         pagedkv_test::target_name);
+
+}  // namespace

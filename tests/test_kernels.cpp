@@ -1,0 +1,60 @@
+// kernels::copy_block merges contiguous runs but must copy exactly the
+// same bytes whatever the strides; layouts resolve into the right strides.
+#include <gtest/gtest.h>
+
+#include <numeric>
+#include <vector>
+
+#include "pagedkv/kernels.hpp"
+#include "pagedkv/layouts.hpp"
+
+namespace {
+
+using pagedkv::kernels::BlockShape;
+using pagedkv::kernels::BlockStrides;
+using pagedkv::kernels::copy_block;
+
+/// Copies with copy_block and with a naive loop; both must agree byte for byte.
+void check_copy(const BlockShape& shape, const BlockStrides& ds, const BlockStrides& ss, size_t buffer_bytes) {
+  std::vector<char> src(buffer_bytes);
+  std::iota(src.begin(), src.end(), static_cast<char>(1));
+  std::vector<char> got(buffer_bytes, 0), want(buffer_bytes, 0);
+  copy_block(got.data(), ds, src.data(), ss, shape);
+  for (int64_t t = 0; t < shape.tokens; ++t)
+    for (int64_t h = 0; h < shape.heads; ++h)
+      for (int64_t d = 0; d < shape.head_dim; ++d)
+        for (int64_t b = 0; b < shape.elem_size; ++b)
+          want[static_cast<size_t>(t * ds.token + h * ds.head + d * ds.elem + b)] =
+              src[static_cast<size_t>(t * ss.token + h * ss.head + d * ss.elem + b)];
+  EXPECT_EQ(got, want);
+}
+
+TEST(CopyBlock, EveryStrideCombinationCopiesTheSameBytes) {
+  const BlockShape shape{3, 2, 4, 2};  // 3 tokens, 2 heads, 4 elements of 2 bytes
+  const BlockStrides token_major{16, 8, 2};
+  const BlockStrides head_major{8, 24, 2};
+  const BlockStrides padded{40, 12, 2};
+  const BlockStrides every_other{32, 16, 4};
+  for (const auto& ds : {token_major, head_major, padded, every_other})
+    for (const auto& ss : {token_major, head_major, padded, every_other}) check_copy(shape, ds, ss, 256);
+}
+
+TEST(CopyBlock, DegenerateExtents) {
+  check_copy({1, 1, 1, 4}, {4, 4, 4}, {4, 4, 4}, 16);
+  check_copy({0, 2, 4, 2}, {16, 8, 2}, {16, 8, 2}, 64);
+  check_copy({5, 1, 3, 1}, {7, 100, 1}, {3, 100, 1}, 64);  // one head: head stride is irrelevant
+}
+
+TEST(PageGeometry, LayoutsResolveToStrides) {
+  const auto nhd = pagedkv::PageGeometry::of<pagedkv::NHD>(16, 8, 128);
+  EXPECT_EQ(nhd.token_stride, 8 * 128);
+  EXPECT_EQ(nhd.head_stride, 128);
+  EXPECT_EQ(nhd.offset(2, 3), 2 * 1024 + 3 * 128);
+  const auto hnd = pagedkv::PageGeometry::of<pagedkv::HND>(16, 8, 128);
+  EXPECT_EQ(hnd.token_stride, 128);
+  EXPECT_EQ(hnd.head_stride, 16 * 128);
+  EXPECT_EQ(hnd.page_elems, 16 * 8 * 128);
+  EXPECT_EQ(pagedkv::HND::page_shape(16, 8, 128), (std::array<int64_t, 3>{8, 16, 128}));
+}
+
+}  // namespace
