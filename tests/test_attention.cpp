@@ -228,19 +228,17 @@ TEST_P(AttentionTest, LongContextsSplitAcrossThreadsMatch) {
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     for_each_layout([&](auto layout) {
       using L = decltype(layout);
-      const std::vector<int64_t> lens = {2900, 17};
-      for (int64_t n_queries : {1, 40}) {
-        Filled<L> f(lens, 16, 1, 32, opts(dtype), at::kInt, 99);
-        const at::Tensor q = at::randn({2, n_queries, 8, 32}).to(opts(dtype));
-        if (n_queries > 17) continue;  // lengths must cover the queries
-        const at::Tensor out = paged_attention(f.cache.bind(f.page_table, f.lengths), 1, q);
-        EXPECT_LT(rel_error(out, reference(q, f.k, f.v, 1.0 / std::sqrt(32.0))), tolerance(dtype)) << L::name;
-      }
-      const std::vector<int64_t> prefill_lens = {2900, 1200};
-      Filled<L> f(prefill_lens, 16, 1, 32, opts(dtype), at::kLong, 98);
-      const at::Tensor q = at::randn({2, 40, 2, 32}).to(opts(dtype));
-      const at::Tensor out = paged_attention(f.cache.bind(f.page_table, f.lengths), 1, q);
-      EXPECT_LT(rel_error(out, reference(q, f.k, f.v, 1.0 / std::sqrt(32.0))), tolerance(dtype)) << L::name;
+      const double scale = 1.0 / std::sqrt(32.0);
+      // Decode (MQA, 8 query heads): one long and one short sequence.
+      Filled<L> decode({2900, 17}, 16, 1, 32, opts(dtype), at::kInt, 99);
+      const at::Tensor q1 = at::randn({2, 1, 8, 32}).to(opts(dtype));
+      const at::Tensor out1 = paged_attention(decode.cache.bind(decode.page_table, decode.lengths), 1, q1);
+      EXPECT_LT(rel_error(out1, reference(q1, decode.k, decode.v, scale)), tolerance(dtype)) << L::name;
+      // Chunked prefill of 40 tokens on long prefixes: tiles x splits.
+      Filled<L> prefill({2900, 1200}, 16, 1, 32, opts(dtype), at::kLong, 98);
+      const at::Tensor q40 = at::randn({2, 40, 2, 32}).to(opts(dtype));
+      const at::Tensor out40 = paged_attention(prefill.cache.bind(prefill.page_table, prefill.lengths), 1, q40);
+      EXPECT_LT(rel_error(out40, reference(q40, prefill.k, prefill.v, scale)), tolerance(dtype)) << L::name;
     });
   }
   at::set_num_threads(previous);
@@ -362,7 +360,7 @@ TEST_P(AttentionTest, BadInputThrowsAndChangesNothing) {
                     {fn, "'lengths'", "lengths[0] >= 2", "got 1"});
     const auto zero_view = cache.bind(f.page_table, ints({5, 0}).to(opts().device()));
     expect_rejected(cache, inputs, [&] { paged_attention(zero_view, 1, q.slice(1, 0, 1)); },
-                    {fn, "'lengths'", "lengths[1] >= 1", "nothing", "got 0"});
+                    {fn, "'lengths'", "lengths[1] >= 1", "nothing to attend to", "got 0"});
     // The engine grew the bound lengths in place past the mapped pages.
     const at::Tensor lengths = ints({5, 9}).to(opts().device());
     const auto grown_view = cache.bind(f.page_table, lengths);
@@ -372,7 +370,6 @@ TEST_P(AttentionTest, BadInputThrowsAndChangesNothing) {
     const int64_t page = f.page_table[1][2].template item<int64_t>();
     cache.free(page);
     expect_rejected(cache, inputs, [&] { paged_attention(view, 1, q); }, {fn, "use after free"});
-    cache.alloc();  // (lowest free page: the one just freed? not necessarily; leave the cache as is)
     // An unsupported cache dtype.
     PagedCache<L> doubles(1, 2, 4, 2, 8, opts(at::kDouble));
     const auto pages = doubles.alloc_n(1);

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <ostream>
@@ -18,17 +19,19 @@
 namespace pagedkv {
 namespace checks {
 
-/// The public function a check runs for; printed as pagedkv::Class<Layout>::function.
+/// The public function a check runs for; printed as pagedkv::Class<Layout>::function
+/// (or pagedkv::function<Layout> for a free function: cls = its name, function = nullptr).
 struct Caller {
   const char* cls;
-  const char* layout;  // nullptr for non-templates
-  const char* function;
+  const char* layout;    // nullptr for non-templates
+  const char* function;  // nullptr for free functions
 };
 
 inline std::ostream& operator<<(std::ostream& os, const Caller& c) {
   os << "pagedkv::" << c.cls;
   if (c.layout != nullptr) os << '<' << c.layout << '>';
-  return os << "::" << c.function;
+  if (c.function != nullptr) os << "::" << c.function;
+  return os;
 }
 
 inline void layer(const Caller& caller, int64_t layer, int64_t n_layers) {
@@ -173,6 +176,57 @@ void mapped_prefix(const Caller& caller, const PageTableRef<Index>& table, int64
                       col * page_size, " (the tokens page_table row ", row, " maps before its first -1 at column ",
                       col, "), got ", length);
     page_allocated(caller, table, row, col, pool);
+  }
+}
+
+/// Attention reads the cache as float32, float16 or bfloat16.
+inline void attention_dtype(const Caller& caller, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, caller,
+              ": expected a cache of dtype float32, float16 or bfloat16, got ", dtype);
+}
+
+/// q for attention: [B, Sq, n_heads, head_dim], the cache's dtype and
+/// device, n_heads a positive multiple of the cache's n_kv_heads.
+inline void attention_query(const Caller& caller, const at::Tensor& q, int64_t batch, const PageGeometry& g,
+                            at::ScalarType dtype, const at::Device& device) {
+  TORCH_CHECK(q.defined(), caller, ": argument 'q' expected a tensor, got an undefined one");
+  TORCH_CHECK(q.dim() == 4, caller, ": argument 'q' expected 4-D [batch, seq, n_heads, head_dim], got ", q.dim(),
+              "-D with shape ", q.sizes());
+  TORCH_CHECK(q.size(0) == batch, caller, ": argument 'q' expected batch ", batch,
+              " (page_table rows) at dim 0, got shape ", q.sizes());
+  TORCH_CHECK(q.size(2) >= g.n_heads && q.size(2) % g.n_heads == 0, caller,
+              ": argument 'q' expected n_heads at dim 2 to be a positive multiple of the cache's n_kv_heads ",
+              g.n_heads, " (GQA/MQA), got shape ", q.sizes());
+  TORCH_CHECK(q.size(3) == g.head_dim, caller, ": argument 'q' expected head_dim ", g.head_dim,
+              " (the cache's) at dim 3, got shape ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == dtype, caller, ": argument 'q' expected dtype ", dtype, " (the cache's), got ",
+              q.scalar_type());
+  TORCH_CHECK(q.device() == device, caller, ": argument 'q' expected on ", device, " (the cache's device), got ",
+              q.device());
+}
+
+/// scale: finite (<= 0 selects 1/sqrt(head_dim)).
+inline void attention_scale(const Caller& caller, double scale) {
+  TORCH_CHECK(std::isfinite(scale), caller, ": argument 'scale' expected a finite value (<= 0 for 1/sqrt(head_dim)), got ",
+              scale);
+}
+
+/// The view carries per-sequence lengths (bind(page_table, lengths)).
+inline void bound_with_lengths(const Caller& caller, const at::Tensor& lengths) {
+  TORCH_CHECK(lengths.defined(), caller,
+              ": argument 'view' expected a view bound with per-sequence lengths "
+              "(PagedCache::bind(page_table, lengths)), got one bound with a total_len");
+}
+
+/// Every sequence's length counts its n_queries new tokens, and a query
+/// needs at least one position to attend to.
+inline void attention_lengths(const Caller& caller, const std::vector<int64_t>& lengths, int64_t n_queries) {
+  for (size_t b = 0; b < lengths.size(); ++b) {
+    TORCH_CHECK(n_queries == 0 || lengths[b] >= 1, caller, ": argument 'lengths' expected lengths[", b,
+                "] >= 1 (with a length of 0 a query has nothing to attend to), got 0");
+    TORCH_CHECK(lengths[b] >= n_queries, caller, ": argument 'lengths' expected lengths[", b, "] >= ", n_queries,
+                " (the lengths include the Sq = ", n_queries, " query tokens, written before the call), got ",
+                lengths[b]);
   }
 }
 

@@ -2,6 +2,7 @@
 // The umbrella header: include this one.
 #pragma once
 
+#include "pagedkv/attention.hpp"
 #include "pagedkv/bits.hpp"
 #include "pagedkv/bitmap.hpp"
 #include "pagedkv/cache_view.hpp"
