@@ -1,0 +1,28 @@
+# ctest driver: configure, build and run tests/integration/consumer.
+#   cmake -DMODE=fetchcontent|find_package -DSOURCE_DIR=... -DWORK_DIR=...
+#         [-DPREFIX=...] [-DTorch_DIR=...] [-DCXX=...] -P run_consumer.cmake
+set(args -S "${SOURCE_DIR}/tests/integration/consumer" -B "${WORK_DIR}" -DPAGEDKV_MODE=${MODE}
+         -DPAGEDKV_SOURCE_DIR=${SOURCE_DIR} -DCMAKE_BUILD_TYPE=Release)
+if(PREFIX)
+  list(APPEND args "-DCMAKE_PREFIX_PATH=${PREFIX}")
+endif()
+if(Torch_DIR)
+  list(APPEND args "-DTorch_DIR=${Torch_DIR}")
+endif()
+if(CXX)
+  list(APPEND args "-DCMAKE_CXX_COMPILER=${CXX}")
+endif()
+file(REMOVE_RECURSE "${WORK_DIR}")
+foreach(step IN ITEMS configure build run)
+  if(step STREQUAL "configure")
+    set(cmd "${CMAKE_COMMAND}" ${args})
+  elseif(step STREQUAL "build")
+    set(cmd "${CMAKE_COMMAND}" --build "${WORK_DIR}")
+  else()
+    set(cmd "${WORK_DIR}/consumer")
+  endif()
+  execute_process(COMMAND ${cmd} RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "consumer (${MODE}): ${step} failed (${rc})")
+  endif()
+endforeach()
