@@ -16,6 +16,7 @@
 #include "pagedkv/checks.hpp"
 #include "pagedkv/kernels.hpp"
 #include "pagedkv/layouts.hpp"
+#include "pagedkv/page_copy.hpp"
 #include "pagedkv/page_pool.hpp"
 #include "pagedkv/page_table.hpp"
 
@@ -127,6 +128,26 @@ class PagedCache {
       }
     });
     return CacheView<Layout>(this, page_table, lengths);
+  }
+
+  // ---- whole-page copies (page_copy.hpp) ----
+
+  /// dst[i] <- src[i] for every layer, k and v. src, dst: 1-D int32/int64 of
+  /// equal length, on cpu or the cache's device. src pages allocated; dst
+  /// pages allocated, distinct and unshared (ref_count 1). A page may be in
+  /// both lists: every page is read before any is written (so src = {a, b},
+  /// dst = {b, a} swaps two pages).
+  void copy_pages(const at::Tensor& src, const at::Tensor& dst) {
+    page_copy::copy_checked(checks::Caller{"PagedCache", Layout::name, "copy_pages"}, *this, *this, src, dst);
+  }
+
+  /// this[dst[i]] <- other[src[i]] for every layer, k and v. other: the same
+  /// n_layers, page_size, n_kv_heads, head_dim and dtype; any device, either
+  /// layout (pages are relaid out). src is checked against other's pool, dst
+  /// against this one's (as in copy_pages); each on cpu or either device.
+  template <class OtherLayout>
+  void copy_pages_from(const PagedCache<OtherLayout>& other, const at::Tensor& src, const at::Tensor& dst) {
+    page_copy::copy_checked(checks::Caller{"PagedCache", Layout::name, "copy_pages_from"}, *this, other, src, dst);
   }
 
   /// [n_layers, n_pages, <page shape>]

@@ -9,6 +9,8 @@
 #include "pagedkv/checks.hpp"
 #include "pagedkv/kernels.hpp"
 #include "pagedkv/layouts.hpp"
+#include "pagedkv/page_copy.hpp"
 #include "pagedkv/page_pool.hpp"
 #include "pagedkv/page_table.hpp"
 #include "pagedkv/paged_cache.hpp"
+#include "pagedkv/sequences.hpp"

@@ -1,0 +1,194 @@
+// Whole-page copies: every layer, k and v, of many pages in one call.
+// Used by PagedCache::copy_pages / copy_pages_from (copy-on-write, and
+// moving pages between a device cache and a host cache) and by
+// SequenceTable.
+//
+// CPU -> CPU: hand-written, one memcpy per (layer, page) when both caches
+// store pages in the same layout, a strided per-page relayout copy
+// (kernels::copy_block) when they differ; parallel over (page, layer).
+// Any other device pair (or Backend::generic): index_select on the page
+// dimension, transpose when the layouts differ, to(device), index_copy_.
+// Only the pages are copied: each page is moved as one batch, never with a
+// host round trip per page.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "pagedkv/checks.hpp"
+#include "pagedkv/kernels.hpp"
+#include "pagedkv/layouts.hpp"
+#include "pagedkv/page_pool.hpp"
+
+namespace pagedkv {
+
+template <class Layout>
+class PagedCache;
+
+namespace page_copy {
+
+/// A 1-D int32/int64 list of page ids on the cpu or one of `devices`,
+/// copied to the host (values not yet range-checked).
+inline std::vector<int64_t> page_list(const checks::Caller& caller, const char* arg, const at::Tensor& t,
+                                      const at::Device& device_a, const at::Device& device_b) {
+  TORCH_CHECK(t.defined(), caller, ": argument '", arg, "' expected a tensor, got an undefined one");
+  TORCH_CHECK(t.dim() == 1, caller, ": argument '", arg, "' expected 1-D [n_pages_to_copy], got ", t.dim(),
+              "-D with shape ", t.sizes());
+  TORCH_CHECK(checks::is_index_type(t.scalar_type()), caller, ": argument '", arg,
+              "' expected dtype int32 or int64, got ", t.scalar_type());
+  if (device_a == device_b) {
+    checks::host_or_cache_device(caller, arg, t, device_a);
+  } else {
+    TORCH_CHECK(t.device().is_cpu() || t.device() == device_a || t.device() == device_b, caller, ": argument '", arg,
+                "' expected on cpu, ", device_a, " or ", device_b, ", got ", t.device());
+  }
+  const at::Tensor host = t.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* data = host.data_ptr<int64_t>();
+  return std::vector<int64_t>(data, data + host.numel());
+}
+
+/// Every id of `pages` is in range and allocated in `pool`.
+inline void allocated_pages(const checks::Caller& caller, const char* arg, const std::vector<int64_t>& pages,
+                            const PagePool& pool) {
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const int64_t page = pages[i];
+    TORCH_CHECK_INDEX(page >= 0 && page < pool.n_pages(), caller, ": argument '", arg, "' expected page ids in [0, ",
+                      pool.n_pages(), "), got ", arg, "[", i, "] = ", page, page == kUnmappedPage ? " (unmapped)" : "");
+    TORCH_CHECK(pool.is_allocated(page), caller, ": argument '", arg, "' expected allocated pages, got ", arg, "[", i,
+                "] = ", page, " which is free (use after free)");
+  }
+}
+
+/// The checks every page copy makes: equal lengths, src allocated in the
+/// source pool, dst allocated, distinct and not shared in the destination
+/// pool. Returns whether some page is both read and written (only possible
+/// within one cache).
+inline bool copy_lists(const checks::Caller& caller, const std::vector<int64_t>& src, const std::vector<int64_t>& dst,
+                       const PagePool& src_pool, const PagePool& dst_pool) {
+  TORCH_CHECK(src.size() == dst.size(), caller, ": arguments 'src' and 'dst' expected the same length, got ",
+              src.size(), " and ", dst.size());
+  allocated_pages(caller, "src", src, src_pool);
+  allocated_pages(caller, "dst", dst, dst_pool);
+  for (size_t i = 0; i < dst.size(); ++i) {
+    const int64_t refs = dst_pool.ref_count(dst[i]);
+    TORCH_CHECK(refs == 1, caller, ": argument 'dst' expected pages with ref_count 1, got dst[", i, "] = ", dst[i],
+                " with ref_count ", refs, " (a copy onto a shared page; copy it to a fresh page first)");
+  }
+  std::vector<int64_t> sorted(dst);
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  TORCH_CHECK(dup == sorted.end(), caller, ": argument 'dst' expected distinct pages, got page ",
+              dup == sorted.end() ? int64_t{0} : *dup, " more than once");
+  if (&src_pool != &dst_pool) return false;
+  return std::any_of(src.begin(), src.end(),
+                     [&](int64_t page) { return std::binary_search(sorted.begin(), sorted.end(), page); });
+}
+
+/// CPU pages of one cache as raw bytes.
+struct CpuPages {
+  char* k;
+  char* v;
+  int64_t layer_bytes;  ///< bytes between layers
+  int64_t page_bytes;   ///< bytes between pages
+  kernels::BlockStrides strides;  ///< inside a page
+};
+
+template <class Cache>
+CpuPages cpu_pages(const Cache& cache) {
+  const int64_t es = static_cast<int64_t>(cache.k_cache().element_size());
+  const int64_t page_bytes = cache.geometry().page_elems * es;
+  return {static_cast<char*>(cache.k_cache().data_ptr()), static_cast<char*>(cache.v_cache().data_ptr()),
+          cache.n_pages() * page_bytes, page_bytes, kernels::page_strides(cache.geometry(), es)};
+}
+
+/// dst_pages[dst[i]] <- src_pages[src[i]] for every layer, k and v. Pages
+/// must not overlap (a page both read and written).
+inline void copy_cpu(const CpuPages& to, const CpuPages& from, const std::vector<int64_t>& src,
+                     const std::vector<int64_t>& dst, int64_t n_layers, const kernels::BlockShape& shape,
+                     bool same_layout) {
+  const int64_t n = static_cast<int64_t>(src.size());
+  if (n == 0) return;
+  const int64_t page_bytes = to.page_bytes;
+  at::parallel_for(0, n * n_layers, kernels::grain_for(2 * page_bytes), [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t layer = item / n;
+      const size_t i = static_cast<size_t>(item % n);
+      const int64_t from_off = layer * from.layer_bytes + src[i] * from.page_bytes;
+      const int64_t to_off = layer * to.layer_bytes + dst[i] * to.page_bytes;
+      if (same_layout) {
+        std::memcpy(to.k + to_off, from.k + from_off, static_cast<size_t>(page_bytes));
+        std::memcpy(to.v + to_off, from.v + from_off, static_cast<size_t>(page_bytes));
+      } else {
+        kernels::copy_block(to.k + to_off, to.strides, from.k + from_off, from.strides, shape);
+        kernels::copy_block(to.v + to_off, to.strides, from.v + from_off, from.strides, shape);
+      }
+    }
+  });
+}
+
+/// Device-agnostic: to[:, dst] = from[:, src] (relayout by transpose); the
+/// index_select materialises every source page before any write, so
+/// overlapping lists read the old contents.
+inline void copy_generic(const at::Tensor& to, const at::Tensor& from, const std::vector<int64_t>& src,
+                         const std::vector<int64_t>& dst, bool same_layout) {
+  if (src.empty()) return;
+  at::Tensor pages = from.index_select(1, kernels::host_index(src, from.device()));
+  // [L, n, a, b, D]: NHD pages are [P, H, D] and HND pages [H, P, D].
+  if (!same_layout) pages = pages.transpose(2, 3).contiguous();
+  if (pages.device() != to.device()) pages = pages.to(to.device());
+  to.index_copy_(1, kernels::host_index(dst, to.device()), pages);
+}
+
+/// Copies validated lists: to[dst[i]] <- from[src[i]]. Nothing here throws
+/// for valid input. `to` and `from` may be the same cache.
+template <class ToLayout, class FromLayout>
+void copy_unchecked(const PagedCache<ToLayout>& to, const PagedCache<FromLayout>& from,
+                    const std::vector<int64_t>& src, const std::vector<int64_t>& dst, bool overlap) {
+  if (src.empty()) return;
+  constexpr bool same_layout = std::is_same<ToLayout, FromLayout>::value;
+  const bool cpu = kernels::use_cpu_kernels(to.device()) && kernels::use_cpu_kernels(from.device());
+  if (cpu && !overlap) {
+    const PageGeometry& g = to.geometry();
+    const kernels::BlockShape shape{g.page_size, g.n_heads, g.head_dim,
+                                    static_cast<int64_t>(to.k_cache().element_size())};
+    copy_cpu(cpu_pages(to), cpu_pages(from), src, dst, to.n_layers(), shape, same_layout);
+    return;
+  }
+  copy_generic(to.k_cache(), from.k_cache(), src, dst, same_layout);
+  copy_generic(to.v_cache(), from.v_cache(), src, dst, same_layout);
+}
+
+/// The same geometry and dtype.
+template <class ToLayout, class FromLayout>
+void same_geometry(const checks::Caller& caller, const PagedCache<ToLayout>& to, const PagedCache<FromLayout>& from) {
+  TORCH_CHECK(to.n_layers() == from.n_layers() && to.page_size() == from.page_size() &&
+                  to.n_kv_heads() == from.n_kv_heads() && to.head_dim() == from.head_dim(),
+              caller, ": argument 'other' expected the same geometry (n_layers, page_size, n_kv_heads, head_dim) = (",
+              to.n_layers(), ", ", to.page_size(), ", ", to.n_kv_heads(), ", ", to.head_dim(), "), got (",
+              from.n_layers(), ", ", from.page_size(), ", ", from.n_kv_heads(), ", ", from.head_dim(), ")");
+  TORCH_CHECK(to.k_cache().scalar_type() == from.k_cache().scalar_type(), caller,
+              ": argument 'other' expected dtype ", to.k_cache().scalar_type(), " (this cache's), got ",
+              from.k_cache().scalar_type());
+}
+
+/// Validates and copies: to[dst[i]] <- from[src[i]].
+template <class ToLayout, class FromLayout>
+void copy_checked(const checks::Caller& caller, const PagedCache<ToLayout>& to, const PagedCache<FromLayout>& from,
+                  const at::Tensor& src, const at::Tensor& dst) {
+  same_geometry(caller, to, from);
+  const std::vector<int64_t> src_pages = page_list(caller, "src", src, from.device(), to.device());
+  const std::vector<int64_t> dst_pages = page_list(caller, "dst", dst, to.device(), from.device());
+  const bool overlap = copy_lists(caller, src_pages, dst_pages, from.pool(), to.pool());
+  copy_unchecked(to, from, src_pages, dst_pages, overlap);
+}
+
+}  // namespace page_copy
+}  // namespace pagedkv

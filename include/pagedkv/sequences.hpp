@@ -1,0 +1,414 @@
+// SequenceTable<Layout>: the host-side block table an engine keeps per
+// cache. Each sequence owns a list of pages (its block table row) and a
+// length; the table grows it as tokens arrive, shares pages between
+// sequences (fork: parallel sampling, beam search) through PagePool's
+// reference counts, copies a shared page before a write lands in it
+// (copy-on-write), builds the [B, max_pages] page table of a batch, and
+// moves sequences to another cache (a host cache) and back.
+//
+// Semantics
+// - Ids are small integers: create() and fork() return the lowest id not in
+//   use, so a released id is handed out again (as PagePool does with pages).
+// - A sequence's pages: page j holds tokens [j*page_size, (j+1)*page_size).
+//   capacity = pages * page_size >= length. Pages past the length are
+//   reserved, not yet written.
+// - reserve(seq, n_tokens) makes capacity >= n_tokens (a total, like
+//   std::vector::reserve; never shrinks). fork shares every page, reserved
+//   ones included; the fork gets the parent's length.
+// - prepare_append(seq, n) makes capacity >= length + n and gives the
+//   sequence its own copy of every shared page among the pages tokens
+//   [length, length + n) land in. A shared page that already holds tokens of
+//   the sequence (the partly written last page) is copied (copy-on-write);
+//   a shared page that holds none (a reserved page shared by fork) is
+//   replaced by a fresh page without a copy. commit_append(seq, n) then
+//   records the n tokens written (length += n; they must fit the capacity).
+//   The write itself goes through the cache: batch() gives the page table.
+// - swap_out(seq, host) copies the pages that hold the sequence's tokens
+//   into `host`'s cache, under a sequence it creates in `host`, and frees
+//   every page the sequence had here (shared pages are only unreferenced: a
+//   sequence that shared pages with others gets its own pages on swap_in).
+//   The sequence keeps its id here, marked swapped. swap_in(seq, host)
+//   allocates pages here again (all-or-nothing), copies the tokens back,
+//   and releases the host-side sequence; the capacity after swap_in is the
+//   pages that hold the length. `host` must be the table it was swapped to.
+// - A swapped sequence: length() answers; release() frees its host-side
+//   copy too (so the host table must outlive the sequences swapped into
+//   it); swap_in() brings it back; every other call (reserve, fork,
+//   prepare_append, commit_append, batch, swap_out) throws c10::Error.
+// - The host-side sequence that holds a swapped sequence's pages belongs to
+//   the table that swapped it out: in the host table, length() and batch()
+//   answer for it (read-only), every mutating call throws c10::Error.
+// - Failure: a bad argument (unknown or released id, negative n, a call on a
+//   swapped sequence, a commit past the capacity, a host table of another
+//   geometry or dtype, or the same table/cache) throws c10::Error; a pool
+//   that is short makes reserve / prepare_append / swap_out / swap_in
+//   return false. Either way nothing has changed and no page has leaked.
+// - The cache must outlive the table. Destroying the table frees the pages
+//   its sequences hold in its own cache (never touching other tables).
+//   Not copyable or movable (swapped sequences refer to their host table).
+// - Not thread-safe: one scheduler thread owns a table and its cache.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "pagedkv/checks.hpp"
+#include "pagedkv/layouts.hpp"
+#include "pagedkv/page_copy.hpp"
+#include "pagedkv/paged_cache.hpp"
+
+namespace pagedkv {
+
+template <class Layout = NHD>
+class SequenceTable {
+ public:
+  explicit SequenceTable(PagedCache<Layout>& cache) : cache_(&cache) {}
+
+  ~SequenceTable() {
+    // Only this cache's pages; swapped sequences' host copies stay with the
+    // host table (which frees them when it goes).
+    PagePool& pool = cache_->pool();
+    for (const Seq& s : seqs_) {
+      for (int64_t page : s.pages) {
+        if (pool.is_allocated(page)) pool.free(page);
+      }
+    }
+  }
+
+  SequenceTable(const SequenceTable&) = delete;
+  SequenceTable& operator=(const SequenceTable&) = delete;
+
+  /// A new, empty sequence (no pages, length 0); the lowest unused id.
+  int64_t create() {
+    const int64_t seq = new_id();
+    seqs_[static_cast<size_t>(seq)].live = true;
+    ++n_live_;
+    return seq;
+  }
+
+  /// Grows the capacity to at least n_tokens tokens (a total; never
+  /// shrinks). All-or-nothing: false, and nothing changed, if the pool has
+  /// fewer free pages than needed.
+  bool reserve(int64_t seq, int64_t n_tokens) {
+    const checks::Caller caller{"SequenceTable", Layout::name, "reserve"};
+    Seq& s = owned(caller, seq);
+    checks::non_negative(caller, "n_tokens", n_tokens);
+    const int64_t need = pages_for(n_tokens) - n_pages(s);
+    if (need <= 0) return true;
+    std::vector<int64_t> fresh = cache_->pool().alloc_n(need);
+    if (static_cast<int64_t>(fresh.size()) != need) return false;
+    s.pages.insert(s.pages.end(), fresh.begin(), fresh.end());
+    return true;
+  }
+
+  /// A new sequence sharing every page of `seq` (each ref_count + 1), with
+  /// the same length.
+  int64_t fork(int64_t seq) {
+    const checks::Caller caller{"SequenceTable", Layout::name, "fork"};
+    owned(caller, seq);
+    PagePool& pool = cache_->pool();
+    const std::vector<int64_t>& pages = seqs_[static_cast<size_t>(seq)].pages;
+    for (int64_t page : pages) {
+      TORCH_CHECK(pool.ref_count(page) < std::numeric_limits<int32_t>::max(), caller, ": page ", page, " of sequence ",
+                  seq, " is at the ref_count limit");
+    }
+    const int64_t child = new_id();  // may reallocate seqs_
+    Seq& parent = seqs_[static_cast<size_t>(seq)];
+    Seq& c = seqs_[static_cast<size_t>(child)];
+    for (int64_t page : parent.pages) pool.retain(page);
+    c.pages = parent.pages;
+    c.length = parent.length;
+    c.live = true;
+    ++n_live_;
+    return child;
+  }
+
+  /// Frees every page of `seq` (and, for a swapped sequence, its host-side
+  /// copy); the id may be handed out again.
+  void release(int64_t seq) {
+    const checks::Caller caller{"SequenceTable", Layout::name, "release"};
+    Seq& s = live(caller, seq);
+    not_holder(caller, seq, s);
+    if (s.swapped) {
+      s.host_release(s.host, s.host_seq);
+    } else {
+      for (int64_t page : s.pages) cache_->pool().free(page);
+    }
+    retire(seq);
+  }
+
+  /// Tokens written so far (committed).
+  int64_t length(int64_t seq) const {
+    return live(checks::Caller{"SequenceTable", Layout::name, "length"}, seq).length;
+  }
+
+  /// Before writing n_tokens at the end of `seq`: reserves the pages and
+  /// gives the sequence its own copy of any shared page the write lands in
+  /// (copy-on-write). All-or-nothing: false, and nothing changed, if the
+  /// pool is short.
+  bool prepare_append(int64_t seq, int64_t n_tokens) {
+    const checks::Caller caller{"SequenceTable", Layout::name, "prepare_append"};
+    Seq& s = owned(caller, seq);
+    checks::non_negative(caller, "n_tokens", n_tokens);
+    if (n_tokens == 0) return true;
+    PagePool& pool = cache_->pool();
+    const int64_t page_size = cache_->page_size();
+    const int64_t first = s.length / page_size;
+    const int64_t end = pages_for(s.length + n_tokens);
+    const int64_t have = std::min(end, n_pages(s));
+    int64_t shared = 0;
+    for (int64_t j = first; j < have; ++j) shared += pool.ref_count(s.pages[static_cast<size_t>(j)]) > 1 ? 1 : 0;
+    const int64_t grow = std::max<int64_t>(0, end - n_pages(s));
+    if (shared + grow == 0) return true;
+    std::vector<int64_t> fresh = pool.alloc_n(shared + grow);
+    if (static_cast<int64_t>(fresh.size()) != shared + grow) return false;
+    // Which columns get which fresh page; the one that holds tokens of this
+    // sequence (the partly written page) is copied first, before any change.
+    std::vector<int64_t> cols, copy_src, copy_dst;
+    size_t next = 0;
+    for (int64_t j = first; j < have; ++j) {
+      const int64_t page = s.pages[static_cast<size_t>(j)];
+      if (pool.ref_count(page) <= 1) continue;
+      cols.push_back(j);
+      if (j * page_size < s.length) {
+        copy_src.push_back(page);
+        copy_dst.push_back(fresh[next]);
+      }
+      ++next;
+    }
+    copy_or_undo(*cache_, *cache_, copy_src, copy_dst, fresh);
+    for (size_t i = 0; i < cols.size(); ++i) {
+      int64_t& page = s.pages[static_cast<size_t>(cols[i])];
+      pool.free(page);  // ref >= 2: only unreferenced
+      page = fresh[i];
+    }
+    s.pages.insert(s.pages.end(), fresh.begin() + static_cast<std::ptrdiff_t>(next), fresh.end());
+    return true;
+  }
+
+  /// Records n_tokens written at the end of `seq` (length += n_tokens).
+  /// They must fit the capacity (call prepare_append first).
+  void commit_append(int64_t seq, int64_t n_tokens) {
+    const checks::Caller caller{"SequenceTable", Layout::name, "commit_append"};
+    Seq& s = owned(caller, seq);
+    checks::non_negative(caller, "n_tokens", n_tokens);
+    const int64_t capacity = n_pages(s) * cache_->page_size();
+    TORCH_CHECK(n_tokens <= capacity - s.length, caller, ": argument 'n_tokens' expected <= ", capacity - s.length,
+                " (sequence ", seq, " has length ", s.length, " and capacity ", capacity,
+                "; call prepare_append first), got ", n_tokens);
+    s.length += n_tokens;
+  }
+
+  /// The page table [B, max_pages] (int32, -1 padded; max_pages = the
+  /// largest page count in the batch, reserved pages included) and the
+  /// lengths [B] (int64), both on the cpu: ready for
+  /// PagedCache::bind(page_table, lengths) and for writes at the lengths.
+  std::pair<at::Tensor, at::Tensor> batch(const std::vector<int64_t>& seqs) const {
+    const checks::Caller caller{"SequenceTable", Layout::name, "batch"};
+    int64_t max_pages = 0;
+    for (int64_t seq : seqs) {
+      const Seq& s = live(caller, seq);
+      TORCH_CHECK(!s.swapped, caller, ": argument 'seqs' expected resident sequences, got sequence ", seq,
+                  " which is swapped out (call swap_in first)");
+      max_pages = std::max(max_pages, n_pages(s));
+    }
+    const int64_t rows = static_cast<int64_t>(seqs.size());
+    at::Tensor table = at::empty({rows, max_pages}, at::kInt);
+    at::Tensor lengths = at::empty({rows}, at::kLong);
+    int32_t* t = table.data_ptr<int32_t>();
+    int64_t* l = lengths.data_ptr<int64_t>();
+    for (int64_t b = 0; b < rows; ++b) {
+      const Seq& s = seqs_[static_cast<size_t>(seqs[static_cast<size_t>(b)])];
+      int32_t* row = t + b * max_pages;
+      const int64_t n = n_pages(s);
+      for (int64_t j = 0; j < n; ++j) row[j] = static_cast<int32_t>(s.pages[static_cast<size_t>(j)]);
+      std::fill(row + n, row + max_pages, static_cast<int32_t>(kUnmappedPage));
+      l[b] = s.length;
+    }
+    return {table, lengths};
+  }
+
+  /// Moves `seq`'s tokens to `host`'s cache under a sequence created there,
+  /// and frees its pages here; `seq` keeps its id, marked swapped. False,
+  /// and nothing changed, if `host`'s pool is short.
+  template <class OL>
+  bool swap_out(int64_t seq, SequenceTable<OL>& host) {
+    const checks::Caller caller{"SequenceTable", Layout::name, "swap_out"};
+    Seq& s = owned(caller, seq);
+    other_table(caller, host);
+    const int64_t n = pages_for(s.length);
+    std::vector<int64_t> host_pages = host.cache_->pool().alloc_n(n);
+    if (static_cast<int64_t>(host_pages.size()) != n) return false;
+    const std::vector<int64_t> mine(s.pages.begin(), s.pages.begin() + static_cast<std::ptrdiff_t>(n));
+    copy_or_undo(*host.cache_, *cache_, mine, host_pages, host_pages);
+    const int64_t host_seq = host.new_id();
+    auto& h = host.seqs_[static_cast<size_t>(host_seq)];
+    h.live = true;
+    h.holder = true;
+    h.pages = std::move(host_pages);
+    h.length = s.length;
+    ++host.n_live_;
+    for (int64_t page : s.pages) cache_->pool().free(page);
+    s.pages.clear();
+    s.swapped = true;
+    s.host = &host;
+    s.host_seq = host_seq;
+    s.host_release = &SequenceTable<OL>::release_holder;
+    return true;
+  }
+
+  /// Brings a swapped `seq` back from `host` (the table it was swapped out
+  /// to): allocates its pages here, copies its tokens, releases the
+  /// host-side sequence. False, and nothing changed, if this pool is short.
+  template <class OL>
+  bool swap_in(int64_t seq, SequenceTable<OL>& host) {
+    const checks::Caller caller{"SequenceTable", Layout::name, "swap_in"};
+    Seq& s = live(caller, seq);
+    not_holder(caller, seq, s);
+    TORCH_CHECK(s.swapped, caller, ": argument 'seq' expected a swapped-out sequence, got sequence ", seq,
+                " which is resident");
+    TORCH_CHECK(s.host == static_cast<const void*>(&host), caller,
+                ": argument 'host' expected the table sequence ", seq, " was swapped out to, got another table");
+    const auto& h = host.seqs_[static_cast<size_t>(s.host_seq)];
+    const int64_t n = static_cast<int64_t>(h.pages.size());
+    std::vector<int64_t> pages = cache_->pool().alloc_n(n);
+    if (static_cast<int64_t>(pages.size()) != n) return false;
+    copy_or_undo(*cache_, *host.cache_, h.pages, pages, pages);
+    s.length = h.length;
+    s.pages = std::move(pages);
+    SequenceTable<OL>::release_holder(&host, s.host_seq);
+    s.swapped = false;
+    s.host = nullptr;
+    s.host_seq = -1;
+    s.host_release = nullptr;
+    return true;
+  }
+
+  // ---- inspection (not part of the core contract) ----
+
+  /// The pages of `seq`, in token order (capacity / page_size of them).
+  const std::vector<int64_t>& pages(int64_t seq) const {
+    return live(checks::Caller{"SequenceTable", Layout::name, "pages"}, seq).pages;
+  }
+  /// Tokens `seq` can hold without new pages.
+  int64_t capacity(int64_t seq) const {
+    const Seq& s = live(checks::Caller{"SequenceTable", Layout::name, "capacity"}, seq);
+    return n_pages(s) * cache_->page_size();
+  }
+  /// Whether `seq` is swapped out.
+  bool swapped(int64_t seq) const { return live(checks::Caller{"SequenceTable", Layout::name, "swapped"}, seq).swapped; }
+  /// Whether `seq` is a live id of this table.
+  bool contains(int64_t seq) const noexcept {
+    return seq >= 0 && seq < static_cast<int64_t>(seqs_.size()) && seqs_[static_cast<size_t>(seq)].live;
+  }
+  /// Live sequences (host-side holders of swapped sequences included).
+  int64_t size() const noexcept { return n_live_; }
+  PagedCache<Layout>& cache() const noexcept { return *cache_; }
+
+ private:
+  template <class>
+  friend class SequenceTable;
+
+  struct Seq {
+    std::vector<int64_t> pages;
+    int64_t length = 0;
+    bool live = false;
+    bool swapped = false;  // its tokens are in `host`
+    bool holder = false;   // holds another table's swapped sequence
+    void* host = nullptr;  // SequenceTable<OL>* it was swapped out to
+    int64_t host_seq = -1;
+    void (*host_release)(void*, int64_t) = nullptr;
+  };
+
+  /// to[dst] <- from[src] (validated lists, no overlap); if the copy throws
+  /// (a device error), frees the just-allocated `fresh` pages of `to` and
+  /// rethrows, so that nothing leaks.
+  template <class ToLayout, class FromLayout>
+  static void copy_or_undo(PagedCache<ToLayout>& to, const PagedCache<FromLayout>& from,
+                           const std::vector<int64_t>& src, const std::vector<int64_t>& dst,
+                           const std::vector<int64_t>& fresh) {
+    try {
+      page_copy::copy_unchecked(to, from, src, dst, /*overlap=*/false);
+    } catch (...) {
+      for (int64_t page : fresh) to.pool().free(page);
+      throw;
+    }
+  }
+
+  static int64_t n_pages(const Seq& s) noexcept { return static_cast<int64_t>(s.pages.size()); }
+
+  int64_t pages_for(int64_t n_tokens) const noexcept {
+    return (n_tokens + cache_->page_size() - 1) / cache_->page_size();
+  }
+
+  int64_t new_id() {
+    if (!free_ids_.empty()) {
+      const int64_t seq = *free_ids_.begin();
+      free_ids_.erase(free_ids_.begin());
+      return seq;
+    }
+    seqs_.emplace_back();
+    return static_cast<int64_t>(seqs_.size()) - 1;
+  }
+
+  void retire(int64_t seq) {
+    seqs_[static_cast<size_t>(seq)] = Seq{};
+    free_ids_.insert(seq);
+    --n_live_;
+  }
+
+  /// Frees a holder sequence's pages (called by the table that swapped it out).
+  static void release_holder(void* table, int64_t seq) {
+    auto* self = static_cast<SequenceTable*>(table);
+    for (int64_t page : self->seqs_[static_cast<size_t>(seq)].pages) self->cache_->pool().free(page);
+    self->retire(seq);
+  }
+
+  const Seq& live(const checks::Caller& caller, int64_t seq) const {
+    TORCH_CHECK_INDEX(contains(seq), caller, ": argument 'seq' expected a live sequence id of this table, got ", seq,
+                      seq >= 0 && seq < static_cast<int64_t>(seqs_.size()) ? " (released)" : " (unknown)");
+    return seqs_[static_cast<size_t>(seq)];
+  }
+  Seq& live(const checks::Caller& caller, int64_t seq) {
+    return const_cast<Seq&>(static_cast<const SequenceTable&>(*this).live(caller, seq));
+  }
+
+  void not_holder(const checks::Caller& caller, int64_t seq, const Seq& s) const {
+    TORCH_CHECK(!s.holder, caller, ": argument 'seq' expected a sequence this table owns, got sequence ", seq,
+                " which holds another table's swapped-out sequence (use swap_in or release on that table)");
+  }
+
+  /// A live, resident sequence this table owns: what every mutating call needs.
+  Seq& owned(const checks::Caller& caller, int64_t seq) {
+    Seq& s = live(caller, seq);
+    not_holder(caller, seq, s);
+    TORCH_CHECK(!s.swapped, caller, ": argument 'seq' expected a resident sequence, got sequence ", seq,
+                " which is swapped out (call swap_in first)");
+    return s;
+  }
+
+  template <class OL>
+  void other_table(const checks::Caller& caller, const SequenceTable<OL>& host) const {
+    TORCH_CHECK(static_cast<const void*>(&host) != static_cast<const void*>(this), caller,
+                ": argument 'host' expected another table, got this one");
+    TORCH_CHECK(static_cast<const void*>(host.cache_) != static_cast<const void*>(cache_), caller,
+                ": argument 'host' expected a table over another cache, got one over this table's cache");
+    page_copy::same_geometry(caller, *host.cache_, *cache_);
+  }
+
+  PagedCache<Layout>* cache_;
+  std::vector<Seq> seqs_;       // indexed by id
+  std::set<int64_t> free_ids_;  // released ids below seqs_.size()
+  int64_t n_live_ = 0;
+};
+
+}  // namespace pagedkv
