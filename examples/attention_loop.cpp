@@ -1,0 +1,338 @@
+// A small multi-layer decoder attention loop over a paged KV cache.
+//
+// A batch of prompts of different lengths is prefilled (each prompt on its
+// own, as engines do), then decoded together for N steps. Every layer writes
+// its K/V through a CacheView and attends over what the view's gather
+// returns. The same loop also runs on plain contiguous max-length K/V
+// buffers; every step's output is compared, bit for bit in intent: the max
+// abs difference must be 0.
+//
+//   attention_loop [--batch 4] [--steps 32] [--layout nhd|hnd]
+//                  [--dtype float32|float16|bfloat16] [--page-size 16]
+//                  [--max-prompt 200] [--seed 0]
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "pagedkv/pagedkv.hpp"
+
+namespace {
+
+struct Options {
+  int64_t batch = 4;
+  int64_t steps = 32;
+  std::string layout = "nhd";
+  std::string dtype = "float32";
+  int64_t page_size = 16;
+  int64_t max_prompt = 200;
+  uint64_t seed = 0;
+};
+
+constexpr int64_t kLayers = 4;
+constexpr int64_t kQueryHeads = 8;
+constexpr int64_t kKvHeads = 2;
+constexpr int64_t kHeadDim = 64;
+constexpr int64_t kHidden = kQueryHeads * kHeadDim;
+
+void usage(const char* argv0) {
+  std::printf(
+      "usage: %s [options]\n"
+      "A 4-layer decoder (8 query heads, 2 kv heads, head_dim 64, random weights) over a\n"
+      "paged KV cache: prefill a batch of prompts of different lengths, decode N steps, and\n"
+      "check every step against the same loop on contiguous K/V buffers.\n\n"
+      "  --batch N           prompts in the batch (default 4)\n"
+      "  --steps N           decode steps (default 32)\n"
+      "  --layout nhd|hnd    page layout (default nhd)\n"
+      "  --dtype T           K/V storage dtype: float32, float16, bfloat16 (default float32)\n"
+      "  --page-size N       tokens per page (default 16)\n"
+      "  --max-prompt N      prompt lengths are drawn from [N/4, N] (default 200)\n"
+      "  --seed N            random seed (default 0)\n"
+      "  --help              this text\n",
+      argv0);
+}
+
+bool parse(int argc, char** argv, Options& o) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      usage(argv[0]);
+      std::exit(0);
+    }
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "%s: %s needs a value (see --help)\n", argv[0], arg.c_str());
+      return false;
+    }
+    const std::string value = argv[++i];
+    char* end = nullptr;
+    const long long number = std::strtoll(value.c_str(), &end, 10);
+    const bool numeric = end != value.c_str() && *end == '\0';
+    if (arg == "--layout" && (value == "nhd" || value == "hnd")) {
+      o.layout = value;
+    } else if (arg == "--dtype" && (value == "float32" || value == "float16" || value == "bfloat16")) {
+      o.dtype = value;
+    } else if (arg == "--batch" && numeric && number >= 1) {
+      o.batch = number;
+    } else if (arg == "--steps" && numeric && number >= 0) {
+      o.steps = number;
+    } else if (arg == "--page-size" && numeric && number >= 1) {
+      o.page_size = number;
+    } else if (arg == "--max-prompt" && numeric && number >= 4) {
+      o.max_prompt = number;
+    } else if (arg == "--seed" && numeric && number >= 0) {
+      o.seed = static_cast<uint64_t>(number);
+    } else {
+      std::fprintf(stderr, "%s: bad option %s %s (see --help)\n", argv[0], arg.c_str(), value.c_str());
+      return false;
+    }
+  }
+  return true;
+}
+
+at::ScalarType dtype_of(const std::string& name) {
+  if (name == "float16") return at::kHalf;
+  if (name == "bfloat16") return at::kBFloat16;
+  return at::kFloat;
+}
+
+/// Random projection weights of one layer (float32).
+struct LayerWeights {
+  at::Tensor wq, wk, wv, wo;  // [hidden, hidden], [hidden, kv], [hidden, kv], [hidden, hidden]
+};
+
+std::vector<LayerWeights> random_weights() {
+  std::vector<LayerWeights> layers;
+  const double s = 1.0 / std::sqrt(static_cast<double>(kHidden));
+  for (int64_t l = 0; l < kLayers; ++l) {
+    layers.push_back({at::randn({kHidden, kHidden}) * s, at::randn({kHidden, kKvHeads * kHeadDim}) * s,
+                      at::randn({kHidden, kKvHeads * kHeadDim}) * s, at::randn({kHidden, kHidden}) * s});
+  }
+  return layers;
+}
+
+/// Causal GQA attention in float32 over gathered K/V.
+/// q: [B, Sq, Hq, D]; k, v: [B, T, Hkv, D] (any dtype); lengths[b] counts
+/// the valid positions of k/v, the last Sq of which are the queries'.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& lengths) {
+  const int64_t B = q.size(0), Sq = q.size(1), T = k.size(1);
+  const int64_t group = kQueryHeads / kKvHeads;
+  const at::Tensor kf = k.to(at::kFloat).repeat_interleave(group, 2).permute({0, 2, 3, 1});  // [B, Hq, D, T]
+  const at::Tensor vf = v.to(at::kFloat).repeat_interleave(group, 2).permute({0, 2, 1, 3});  // [B, Hq, T, D]
+  const at::Tensor qf = q.permute({0, 2, 1, 3});                                             // [B, Hq, Sq, D]
+  at::Tensor scores = at::matmul(qf, kf) / std::sqrt(static_cast<double>(kHeadDim));       // [B, Hq, Sq, T]
+  // query s of sequence b sits at position lengths[b] - Sq + s and sees positions <= its own
+  const at::Tensor query_pos = at::tensor(lengths, at::kLong).view({B, 1, 1, 1}) - Sq + at::arange(Sq).view({1, 1, Sq, 1});
+  const at::Tensor mask = at::arange(T).view({1, 1, 1, T}) > query_pos;  // [B, 1, Sq, T]
+  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  return at::matmul(at::softmax(scores, -1), vf).permute({0, 2, 1, 3});  // [B, Sq, Hq, D]
+}
+
+/// Where a layer keeps its K/V: the paged cache, or contiguous buffers.
+/// write(layer, positions, k, v) then read(layer) -> k, v [B, T, Hkv, D].
+struct KvStore {
+  std::function<void(int64_t, const std::vector<int64_t>&, const at::Tensor&, const at::Tensor&)> write;
+  std::function<std::pair<at::Tensor, at::Tensor>(int64_t)> read;
+};
+
+/// One forward pass of every layer for x [B, S, hidden]; starts[b] is the
+/// position of x[b][0]; returns the last hidden state [B, S, hidden].
+at::Tensor forward(const std::vector<LayerWeights>& w, at::Tensor x, const std::vector<int64_t>& starts,
+                   const KvStore& store, at::ScalarType kv_dtype) {
+  const int64_t B = x.size(0), S = x.size(1);
+  std::vector<int64_t> lengths(starts.size());
+  for (size_t b = 0; b < starts.size(); ++b) lengths[b] = starts[b] + S;
+  for (int64_t l = 0; l < kLayers; ++l) {
+    const at::Tensor q = at::matmul(x, w[l].wq).view({B, S, kQueryHeads, kHeadDim});
+    const at::Tensor k = at::matmul(x, w[l].wk).view({B, S, kKvHeads, kHeadDim}).to(kv_dtype);
+    const at::Tensor v = at::matmul(x, w[l].wv).view({B, S, kKvHeads, kHeadDim}).to(kv_dtype);
+    store.write(l, starts, k, v);
+    const auto kv = store.read(l);
+    const at::Tensor attn = attend(q, kv.first, kv.second, lengths).reshape({B, S, kHidden});
+    x = at::layer_norm(x + at::matmul(attn, w[l].wo), {kHidden});
+  }
+  return x;
+}
+
+/// The paged side: a cache, one page-table row per sequence, grown a page
+/// at a time as sequences get longer.
+template <class Layout>
+struct PagedSide {
+  pagedkv::PagedCache<Layout> cache;
+  at::Tensor page_table;  // [B, max_pages] int32, -1 where unmapped
+  std::vector<int64_t> lengths;
+
+  PagedSide(int64_t batch, int64_t max_len, int64_t page_size, at::ScalarType dtype)
+      : cache(kLayers, batch * ((max_len + page_size - 1) / page_size), page_size, kKvHeads, kHeadDim,
+              at::TensorOptions().dtype(dtype)),
+        page_table(at::full({batch, (max_len + page_size - 1) / page_size}, -1, at::kInt)),
+        lengths(static_cast<size_t>(batch), 0) {}
+
+  /// Maps pages for positions [lengths[b], lengths[b] + n) of sequence b.
+  void grow(int64_t b, int64_t n) {
+    const int64_t P = cache.page_size();
+    for (int64_t col = (lengths[static_cast<size_t>(b)] + P - 1) / P; col * P < lengths[static_cast<size_t>(b)] + n;
+         ++col) {
+      const int64_t page = cache.alloc();
+      TORCH_CHECK(page >= 0, "attention_loop: page pool exhausted");
+      page_table[b][col] = static_cast<int32_t>(page);
+    }
+  }
+
+  int64_t pages_in_use() const { return cache.n_pages() - cache.n_free(); }
+};
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+template <class Layout>
+int run(const Options& o) {
+  at::manual_seed(static_cast<uint64_t>(o.seed));
+  const at::ScalarType kv_dtype = dtype_of(o.dtype);
+  const auto weights = random_weights();
+  std::vector<int64_t> prompt_lens;
+  for (int64_t b = 0; b < o.batch; ++b) {
+    prompt_lens.push_back(at::randint(o.max_prompt / 4, o.max_prompt + 1, {1}).item<int64_t>());
+  }
+  const int64_t max_len = *std::max_element(prompt_lens.begin(), prompt_lens.end()) + o.steps;
+  std::vector<at::Tensor> prompts;
+  for (int64_t len : prompt_lens) prompts.push_back(at::randn({1, len, kHidden}));
+
+  std::printf("pagedkv attention loop: %lld layers, %lld query heads, %lld kv heads, head_dim %lld; %s, %s, page_size %lld\n",
+              static_cast<long long>(kLayers), static_cast<long long>(kQueryHeads), static_cast<long long>(kKvHeads),
+              static_cast<long long>(kHeadDim), Layout::name, o.dtype.c_str(), static_cast<long long>(o.page_size));
+  std::printf("batch %lld, prompt lengths", static_cast<long long>(o.batch));
+  for (int64_t len : prompt_lens) std::printf(" %lld", static_cast<long long>(len));
+  std::printf(", %lld decode steps\n", static_cast<long long>(o.steps));
+
+  // ---- the paged run ----
+  PagedSide<Layout> paged(o.batch, max_len, o.page_size, kv_dtype);
+  std::vector<at::Tensor> paged_out;  // per step: [B, hidden]
+  const auto t_prefill = std::chrono::steady_clock::now();
+  at::Tensor last = at::empty({o.batch, 1, kHidden});
+  for (int64_t b = 0; b < o.batch; ++b) {  // prefill each prompt on its own, as engines do
+    paged.grow(b, prompt_lens[static_cast<size_t>(b)]);
+    const auto view = paged.cache.bind(paged.page_table.slice(0, b, b + 1), prompt_lens[static_cast<size_t>(b)]);
+    const KvStore store{[&](int64_t l, const std::vector<int64_t>&, const at::Tensor& k, const at::Tensor& v) {
+                          view.write(l, 0, k, v);
+                        },
+                        [&](int64_t l) { return view.gather(l); }};
+    const at::Tensor h = forward(weights, prompts[static_cast<size_t>(b)], {0}, store, kv_dtype);
+    last[b] = h[0][h.size(1) - 1];
+    paged.lengths[static_cast<size_t>(b)] = prompt_lens[static_cast<size_t>(b)];
+  }
+  const double prefill_s = seconds_since(t_prefill);
+  paged_out.push_back(last.squeeze(1).clone());
+  const auto t_decode = std::chrono::steady_clock::now();
+  for (int64_t step = 0; step < o.steps; ++step) {
+    for (int64_t b = 0; b < o.batch; ++b) paged.grow(b, 1);
+    std::vector<int64_t> next(paged.lengths);
+    for (auto& n : next) ++n;
+    const at::Tensor starts = at::tensor(paged.lengths, at::kLong);
+    const auto view = paged.cache.bind(paged.page_table, at::tensor(next, at::kLong));
+    const KvStore store{[&](int64_t l, const std::vector<int64_t>&, const at::Tensor& k, const at::Tensor& v) {
+                          view.write(l, starts, k, v);
+                        },
+                        [&](int64_t l) { return view.gather(l); }};
+    last = forward(weights, last, paged.lengths, store, kv_dtype);
+    paged.lengths = next;
+    paged_out.push_back(last.squeeze(1).clone());
+    if ((step + 1) % 8 == 0 || step + 1 == o.steps) {
+      std::printf("  decode step %lld/%lld, %lld pages in use\n", static_cast<long long>(step + 1),
+                  static_cast<long long>(o.steps), static_cast<long long>(paged.pages_in_use()));
+    }
+  }
+  const double decode_s = seconds_since(t_decode);
+
+  // ---- the same loop on contiguous max-length buffers ----
+  std::vector<at::Tensor> k_buf, v_buf;  // per layer [B, max_len, Hkv, D]
+  for (int64_t l = 0; l < kLayers; ++l) {
+    k_buf.push_back(at::zeros({o.batch, max_len, kKvHeads, kHeadDim}, kv_dtype));
+    v_buf.push_back(at::zeros({o.batch, max_len, kKvHeads, kHeadDim}, kv_dtype));
+  }
+  std::vector<int64_t> lengths(static_cast<size_t>(o.batch), 0);
+  std::vector<at::Tensor> plain_out;
+  last = at::empty({o.batch, 1, kHidden});
+  for (int64_t b = 0; b < o.batch; ++b) {
+    const int64_t len = prompt_lens[static_cast<size_t>(b)];
+    const KvStore store{[&](int64_t l, const std::vector<int64_t>&, const at::Tensor& k, const at::Tensor& v) {
+                          k_buf[l][b].slice(0, 0, len).copy_(k[0]);
+                          v_buf[l][b].slice(0, 0, len).copy_(v[0]);
+                        },
+                        [&](int64_t l) {
+                          return std::make_pair(k_buf[l].slice(0, b, b + 1).slice(1, 0, len).contiguous(),
+                                                v_buf[l].slice(0, b, b + 1).slice(1, 0, len).contiguous());
+                        }};
+    const at::Tensor h = forward(weights, prompts[static_cast<size_t>(b)], {0}, store, kv_dtype);
+    last[b] = h[0][h.size(1) - 1];
+    lengths[static_cast<size_t>(b)] = len;
+  }
+  plain_out.push_back(last.squeeze(1).clone());
+  for (int64_t step = 0; step < o.steps; ++step) {
+    const int64_t T = *std::max_element(lengths.begin(), lengths.end()) + 1;
+    const KvStore store{[&](int64_t l, const std::vector<int64_t>& starts, const at::Tensor& k, const at::Tensor& v) {
+                          for (int64_t b = 0; b < o.batch; ++b) {
+                            k_buf[l][b][starts[static_cast<size_t>(b)]].copy_(k[b][0]);
+                            v_buf[l][b][starts[static_cast<size_t>(b)]].copy_(v[b][0]);
+                          }
+                        },
+                        [&](int64_t l) {
+                          // positions past a sequence's length hold zeros, as the paged gather returns
+                          return std::make_pair(k_buf[l].slice(1, 0, T).contiguous(),
+                                                v_buf[l].slice(1, 0, T).contiguous());
+                        }};
+    last = forward(weights, last, lengths, store, kv_dtype);
+    for (auto& n : lengths) ++n;
+    plain_out.push_back(last.squeeze(1).clone());
+  }
+
+  // ---- compare, report ----
+  double max_diff = 0.0;
+  for (size_t i = 0; i < paged_out.size(); ++i) {
+    max_diff = std::max(max_diff, (paged_out[i] - plain_out[i]).abs().max().item<double>());
+  }
+  const int64_t prefill_tokens = std::accumulate(prompt_lens.begin(), prompt_lens.end(), int64_t{0});
+  const int64_t decode_tokens = o.batch * o.steps;
+  const int64_t elem = static_cast<int64_t>(c10::elementSize(kv_dtype));
+  const int64_t page_bytes = 2 * kLayers * o.page_size * kKvHeads * kHeadDim * elem;  // k and v, every layer
+  const int64_t paged_bytes = paged.pages_in_use() * page_bytes;
+  const int64_t max_context = max_len;  // what contiguous buffers must reserve for every sequence
+  const int64_t contiguous_bytes = 2 * kLayers * o.batch * max_context * kKvHeads * kHeadDim * elem;
+  std::printf("max abs difference vs contiguous: %g over %zu steps\n", max_diff, paged_out.size());
+  std::printf("prefill: %lld tokens in %.1f ms (%.0f tokens/s)\n", static_cast<long long>(prefill_tokens),
+              prefill_s * 1e3, static_cast<double>(prefill_tokens) / prefill_s);
+  std::printf("decode: %lld tokens in %.1f ms (%.0f tokens/s)\n", static_cast<long long>(decode_tokens),
+              decode_s * 1e3, decode_s > 0 ? static_cast<double>(decode_tokens) / decode_s : 0.0);
+  std::printf("pages in use: %lld of %lld (%.1f KiB); contiguous max-length buffers: %.1f KiB; saved %.1f KiB (%.0f%%)\n",
+              static_cast<long long>(paged.pages_in_use()), static_cast<long long>(paged.cache.n_pages()),
+              static_cast<double>(paged_bytes) / 1024, static_cast<double>(contiguous_bytes) / 1024,
+              static_cast<double>(contiguous_bytes - paged_bytes) / 1024,
+              100.0 * static_cast<double>(contiguous_bytes - paged_bytes) / static_cast<double>(contiguous_bytes));
+  if (!(max_diff <= 1e-6)) {
+    std::fprintf(stderr, "FAILED: the paged run differs from the contiguous run by %g\n", max_diff);
+    return 1;
+  }
+  std::printf("OK\n");
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  if (!parse(argc, argv, o)) return 2;
+  try {
+    return o.layout == "hnd" ? run<pagedkv::HND>(o) : run<pagedkv::NHD>(o);
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "attention_loop: %s\n", e.what_without_backtrace());
+    return 1;
+  }
+}
