@@ -8,6 +8,14 @@
 # keeps its own targets.
 macro(pagedkv_find_torch)
   if(NOT TARGET torch)
+    # TorchConfig finds Caffe2 with PATHS, which the default search paths
+    # beat: with a system libtorch installed too (Debian's libtorch-dev), a
+    # Torch_DIR pointing at a pip torch would mix the two. Pin Caffe2 to the
+    # Torch_DIR's sibling.
+    if(Torch_DIR AND NOT Caffe2_DIR AND EXISTS "${Torch_DIR}/../Caffe2/Caffe2Config.cmake")
+      get_filename_component(Caffe2_DIR "${Torch_DIR}/../Caffe2" ABSOLUTE)
+      set(Caffe2_DIR "${Caffe2_DIR}" CACHE PATH "Caffe2's CMake config, next to Torch_DIR's")
+    endif()
     get_directory_property(_pagedkv_before IMPORTED_TARGETS)
     find_package(Torch REQUIRED)
     get_directory_property(_pagedkv_after IMPORTED_TARGETS)
