@@ -1,7 +1,11 @@
 // A small multi-layer decoder attention loop over a paged KV cache.
 //
 // A batch of prompts of different lengths is prefilled (each prompt on its
-// own, as engines do), then decoded together for N steps. Every layer writes
+// own, as engines do), then decoded together for N steps. A SequenceTable
+// does the bookkeeping (pages per sequence, growth, the batch's page table);
+// with --samples N each prompt is prefilled once and forked into N sampled
+// continuations that share the prompt's pages (copy-on-write of the partly
+// written last page at the first decode step). Every layer writes
 // its K/V through a CacheView and attends over what the view's gather
 // returns. The same loop also runs on plain contiguous max-length K/V
 // buffers; every step's output is compared, bit for bit in intent: the max
@@ -9,7 +13,7 @@
 //
 //   attention_loop [--batch 4] [--steps 32] [--layout nhd|hnd]
 //                  [--dtype float32|float16|bfloat16] [--page-size 16]
-//                  [--max-prompt 200] [--seed 0]
+//                  [--max-prompt 200] [--seed 0] [--samples 1]
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -35,6 +39,7 @@ struct Options {
   int64_t page_size = 16;
   int64_t max_prompt = 200;
   uint64_t seed = 0;
+  int64_t samples = 1;
 };
 
 constexpr int64_t kLayers = 4;
@@ -56,6 +61,8 @@ void usage(const char* argv0) {
       "  --page-size N       tokens per page (default 16)\n"
       "  --max-prompt N      prompt lengths are drawn from [N/4, N] (default 200)\n"
       "  --seed N            random seed (default 0)\n"
+      "  --samples N         continuations per prompt, forked after the prefill and sharing\n"
+      "                      the prompt's pages (default 1)\n"
       "  --help              this text\n",
       argv0);
 }
@@ -87,6 +94,8 @@ bool parse(int argc, char** argv, Options& o) {
       o.page_size = number;
     } else if (arg == "--max-prompt" && numeric && number >= 4) {
       o.max_prompt = number;
+    } else if (arg == "--samples" && numeric && number >= 1) {
+      o.samples = number;
     } else if (arg == "--seed" && numeric && number >= 0) {
       o.seed = static_cast<uint64_t>(number);
     } else {
@@ -161,29 +170,19 @@ at::Tensor forward(const std::vector<LayerWeights>& w, at::Tensor x, const std::
   return x;
 }
 
-/// The paged side: a cache, one page-table row per sequence, grown a page
-/// at a time as sequences get longer.
+/// The paged side: a cache and the SequenceTable that keeps each
+/// sequence's pages (grown as tokens arrive, shared by forks).
 template <class Layout>
 struct PagedSide {
   pagedkv::PagedCache<Layout> cache;
-  at::Tensor page_table;  // [B, max_pages] int32, -1 where unmapped
-  std::vector<int64_t> lengths;
+  pagedkv::SequenceTable<Layout> seqs;
 
-  PagedSide(int64_t batch, int64_t max_len, int64_t page_size, at::ScalarType dtype)
-      : cache(kLayers, batch * ((max_len + page_size - 1) / page_size), page_size, kKvHeads, kHeadDim,
-              at::TensorOptions().dtype(dtype)),
-        page_table(at::full({batch, (max_len + page_size - 1) / page_size}, -1, at::kInt)),
-        lengths(static_cast<size_t>(batch), 0) {}
+  PagedSide(int64_t n_pages, int64_t page_size, at::ScalarType dtype)
+      : cache(kLayers, n_pages, page_size, kKvHeads, kHeadDim, at::TensorOptions().dtype(dtype)), seqs(cache) {}
 
-  /// Maps pages for positions [lengths[b], lengths[b] + n) of sequence b.
-  void grow(int64_t b, int64_t n) {
-    const int64_t P = cache.page_size();
-    for (int64_t col = (lengths[static_cast<size_t>(b)] + P - 1) / P; col * P < lengths[static_cast<size_t>(b)] + n;
-         ++col) {
-      const int64_t page = cache.alloc();
-      TORCH_CHECK(page >= 0, "attention_loop: page pool exhausted");
-      page_table[b][col] = static_cast<int32_t>(page);
-    }
+  /// Pages for n more tokens at the end of `seq` (copy-on-write of a shared page).
+  void prepare(int64_t seq, int64_t n) {
+    TORCH_CHECK(seqs.prepare_append(seq, n), "attention_loop: page pool exhausted");
   }
 
   int64_t pages_in_use() const { return cache.n_pages() - cache.n_free(); }
@@ -205,45 +204,63 @@ int run(const Options& o) {
   const int64_t max_len = *std::max_element(prompt_lens.begin(), prompt_lens.end()) + o.steps;
   std::vector<at::Tensor> prompts;
   for (int64_t len : prompt_lens) prompts.push_back(at::randn({1, len, kHidden}));
+  // Sampled continuations: sample j > 0 of a prompt starts decoding from the
+  // prompt's last hidden state plus its own noise (sample 0 from the state itself).
+  const int64_t rows = o.batch * o.samples;  // decoded sequences
+  at::Tensor sample_noise = at::zeros({rows, 1, kHidden});
+  if (o.samples > 1) {
+    sample_noise = at::randn({rows, 1, kHidden}) * 0.5;
+    for (int64_t b = 0; b < o.batch; ++b) sample_noise[b * o.samples].zero_();
+  }
 
   std::printf("pagedkv attention loop: %lld layers, %lld query heads, %lld kv heads, head_dim %lld; %s, %s, page_size %lld\n",
               static_cast<long long>(kLayers), static_cast<long long>(kQueryHeads), static_cast<long long>(kKvHeads),
               static_cast<long long>(kHeadDim), Layout::name, o.dtype.c_str(), static_cast<long long>(o.page_size));
   std::printf("batch %lld, prompt lengths", static_cast<long long>(o.batch));
   for (int64_t len : prompt_lens) std::printf(" %lld", static_cast<long long>(len));
-  std::printf(", %lld decode steps\n", static_cast<long long>(o.steps));
+  std::printf(", %lld decode steps", static_cast<long long>(o.steps));
+  if (o.samples > 1) std::printf(", %lld sampled continuations per prompt", static_cast<long long>(o.samples));
+  std::printf("\n");
 
   // ---- the paged run ----
-  PagedSide<Layout> paged(o.batch, max_len, o.page_size, kv_dtype);
-  std::vector<at::Tensor> paged_out;  // per step: [B, hidden]
+  // every sequence can hold max_len tokens without sharing: the pool never runs short
+  PagedSide<Layout> paged(rows * ((max_len + o.page_size - 1) / o.page_size), o.page_size, kv_dtype);
+  std::vector<int64_t> order;  // decode row -> sequence id: prompt b's samples at rows b*samples ...
+  std::vector<at::Tensor> paged_out;  // per step: [B, hidden] after the prefill, then [B * samples, hidden]
   const auto t_prefill = std::chrono::steady_clock::now();
   at::Tensor last = at::empty({o.batch, 1, kHidden});
   for (int64_t b = 0; b < o.batch; ++b) {  // prefill each prompt on its own, as engines do
-    paged.grow(b, prompt_lens[static_cast<size_t>(b)]);
-    const auto view = paged.cache.bind(paged.page_table.slice(0, b, b + 1), prompt_lens[static_cast<size_t>(b)]);
+    const int64_t len = prompt_lens[static_cast<size_t>(b)];
+    const int64_t seq = paged.seqs.create();
+    paged.prepare(seq, len);
+    const auto view = paged.cache.bind(paged.seqs.batch({seq}).first, len);
     const KvStore store{[&](int64_t l, const std::vector<int64_t>&, const at::Tensor& k, const at::Tensor& v) {
                           view.write(l, 0, k, v);
                         },
                         [&](int64_t l) { return view.gather(l); }};
     const at::Tensor h = forward(weights, prompts[static_cast<size_t>(b)], {0}, store, kv_dtype);
     last[b] = h[0][h.size(1) - 1];
-    paged.lengths[static_cast<size_t>(b)] = prompt_lens[static_cast<size_t>(b)];
+    paged.seqs.commit_append(seq, len);
+    order.push_back(seq);
+    for (int64_t j = 1; j < o.samples; ++j) order.push_back(paged.seqs.fork(seq));  // shares every page
   }
   const double prefill_s = seconds_since(t_prefill);
   paged_out.push_back(last.squeeze(1).clone());
+  last = last.repeat_interleave(o.samples, 0) + sample_noise;
   const auto t_decode = std::chrono::steady_clock::now();
   for (int64_t step = 0; step < o.steps; ++step) {
-    for (int64_t b = 0; b < o.batch; ++b) paged.grow(b, 1);
-    std::vector<int64_t> next(paged.lengths);
-    for (auto& n : next) ++n;
-    const at::Tensor starts = at::tensor(paged.lengths, at::kLong);
-    const auto view = paged.cache.bind(paged.page_table, at::tensor(next, at::kLong));
+    for (int64_t seq : order) paged.prepare(seq, 1);
+    const auto table_lengths = paged.seqs.batch(order);
+    const at::Tensor page_table = table_lengths.first;  // [B * samples, max_pages] int32
+    const at::Tensor starts = table_lengths.second;     // the lengths so far: where the new token goes
+    const std::vector<int64_t> start_values(starts.data_ptr<int64_t>(), starts.data_ptr<int64_t>() + rows);
+    const auto view = paged.cache.bind(page_table, starts + 1);
     const KvStore store{[&](int64_t l, const std::vector<int64_t>&, const at::Tensor& k, const at::Tensor& v) {
                           view.write(l, starts, k, v);
                         },
                         [&](int64_t l) { return view.gather(l); }};
-    last = forward(weights, last, paged.lengths, store, kv_dtype);
-    paged.lengths = next;
+    last = forward(weights, last, start_values, store, kv_dtype);
+    for (int64_t seq : order) paged.seqs.commit_append(seq, 1);
     paged_out.push_back(last.squeeze(1).clone());
     if ((step + 1) % 8 == 0 || step + 1 == o.steps) {
       std::printf("  decode step %lld/%lld, %lld pages in use\n", static_cast<long long>(step + 1),
@@ -255,31 +272,41 @@ int run(const Options& o) {
   // ---- the same loop on contiguous max-length buffers ----
   std::vector<at::Tensor> k_buf, v_buf;  // per layer [B, max_len, Hkv, D]
   for (int64_t l = 0; l < kLayers; ++l) {
-    k_buf.push_back(at::zeros({o.batch, max_len, kKvHeads, kHeadDim}, kv_dtype));
-    v_buf.push_back(at::zeros({o.batch, max_len, kKvHeads, kHeadDim}, kv_dtype));
+    k_buf.push_back(at::zeros({rows, max_len, kKvHeads, kHeadDim}, kv_dtype));
+    v_buf.push_back(at::zeros({rows, max_len, kKvHeads, kHeadDim}, kv_dtype));
   }
-  std::vector<int64_t> lengths(static_cast<size_t>(o.batch), 0);
+  std::vector<int64_t> lengths(static_cast<size_t>(rows), 0);
   std::vector<at::Tensor> plain_out;
   last = at::empty({o.batch, 1, kHidden});
   for (int64_t b = 0; b < o.batch; ++b) {
     const int64_t len = prompt_lens[static_cast<size_t>(b)];
+    const int64_t row = b * o.samples;
     const KvStore store{[&](int64_t l, const std::vector<int64_t>&, const at::Tensor& k, const at::Tensor& v) {
-                          k_buf[l][b].slice(0, 0, len).copy_(k[0]);
-                          v_buf[l][b].slice(0, 0, len).copy_(v[0]);
+                          k_buf[l][row].slice(0, 0, len).copy_(k[0]);
+                          v_buf[l][row].slice(0, 0, len).copy_(v[0]);
                         },
                         [&](int64_t l) {
-                          return std::make_pair(k_buf[l].slice(0, b, b + 1).slice(1, 0, len).contiguous(),
-                                                v_buf[l].slice(0, b, b + 1).slice(1, 0, len).contiguous());
+                          return std::make_pair(k_buf[l].slice(0, row, row + 1).slice(1, 0, len).contiguous(),
+                                                v_buf[l].slice(0, row, row + 1).slice(1, 0, len).contiguous());
                         }};
     const at::Tensor h = forward(weights, prompts[static_cast<size_t>(b)], {0}, store, kv_dtype);
     last[b] = h[0][h.size(1) - 1];
-    lengths[static_cast<size_t>(b)] = len;
+    for (int64_t j = 0; j < o.samples; ++j) {  // every sample gets its own copy of the prompt's K/V
+      if (j > 0) {
+        for (int64_t l = 0; l < kLayers; ++l) {
+          k_buf[l][row + j].copy_(k_buf[l][row]);
+          v_buf[l][row + j].copy_(v_buf[l][row]);
+        }
+      }
+      lengths[static_cast<size_t>(row + j)] = len;
+    }
   }
   plain_out.push_back(last.squeeze(1).clone());
+  last = last.repeat_interleave(o.samples, 0) + sample_noise;
   for (int64_t step = 0; step < o.steps; ++step) {
     const int64_t T = *std::max_element(lengths.begin(), lengths.end()) + 1;
     const KvStore store{[&](int64_t l, const std::vector<int64_t>& starts, const at::Tensor& k, const at::Tensor& v) {
-                          for (int64_t b = 0; b < o.batch; ++b) {
+                          for (int64_t b = 0; b < rows; ++b) {
                             k_buf[l][b][starts[static_cast<size_t>(b)]].copy_(k[b][0]);
                             v_buf[l][b][starts[static_cast<size_t>(b)]].copy_(v[b][0]);
                           }
@@ -300,12 +327,12 @@ int run(const Options& o) {
     max_diff = std::max(max_diff, (paged_out[i] - plain_out[i]).abs().max().item<double>());
   }
   const int64_t prefill_tokens = std::accumulate(prompt_lens.begin(), prompt_lens.end(), int64_t{0});
-  const int64_t decode_tokens = o.batch * o.steps;
+  const int64_t decode_tokens = rows * o.steps;
   const int64_t elem = static_cast<int64_t>(c10::elementSize(kv_dtype));
   const int64_t page_bytes = 2 * kLayers * o.page_size * kKvHeads * kHeadDim * elem;  // k and v, every layer
   const int64_t paged_bytes = paged.pages_in_use() * page_bytes;
   const int64_t max_context = max_len;  // what contiguous buffers must reserve for every sequence
-  const int64_t contiguous_bytes = 2 * kLayers * o.batch * max_context * kKvHeads * kHeadDim * elem;
+  const int64_t contiguous_bytes = 2 * kLayers * rows * max_context * kKvHeads * kHeadDim * elem;
   std::printf("max abs difference vs contiguous: %g over %zu steps\n", max_diff, paged_out.size());
   std::printf("prefill: %lld tokens in %.1f ms (%.0f tokens/s)\n", static_cast<long long>(prefill_tokens),
               prefill_s * 1e3, static_cast<double>(prefill_tokens) / prefill_s);
@@ -316,6 +343,23 @@ int run(const Options& o) {
               static_cast<double>(paged_bytes) / 1024, static_cast<double>(contiguous_bytes) / 1024,
               static_cast<double>(contiguous_bytes - paged_bytes) / 1024,
               100.0 * static_cast<double>(contiguous_bytes - paged_bytes) / static_cast<double>(contiguous_bytes));
+  if (o.samples > 1) {
+    // Without sharing every sequence would hold its own copy of each page it maps.
+    int64_t mapped = 0;
+    for (int64_t seq : order) mapped += static_cast<int64_t>(paged.seqs.pages(seq).size());
+    const int64_t saved = mapped - paged.pages_in_use();
+    std::printf("sharing: %lld sequences (%lld prompts x %lld samples) map %lld pages, %lld in use: %lld pages "
+                "(%.1f KiB) saved by sharing the prompts' pages\n",
+                static_cast<long long>(rows), static_cast<long long>(o.batch), static_cast<long long>(o.samples),
+                static_cast<long long>(mapped), static_cast<long long>(paged.pages_in_use()),
+                static_cast<long long>(saved), static_cast<double>(saved * page_bytes) / 1024);
+  }
+  for (int64_t seq : order) paged.seqs.release(seq);
+  if (paged.cache.n_free() != paged.cache.n_pages()) {
+    std::fprintf(stderr, "FAILED: %lld pages leaked\n",
+                 static_cast<long long>(paged.cache.n_pages() - paged.cache.n_free()));
+    return 1;
+  }
   if (!(max_diff <= 1e-6)) {
     std::fprintf(stderr, "FAILED: the paged run differs from the contiguous run by %g\n", max_diff);
     return 1;
