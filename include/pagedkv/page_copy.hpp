@@ -109,18 +109,16 @@ CpuPages cpu_pages(const Cache& cache) {
           cache.n_pages() * page_bytes, page_bytes, kernels::page_strides(cache.geometry(), es)};
 }
 
-/// dst_pages[dst[i]] <- src_pages[src[i]] for every layer, k and v. Pages
-/// must not overlap (a page both read and written).
-inline void copy_cpu(const CpuPages& to, const CpuPages& from, const std::vector<int64_t>& src,
-                     const std::vector<int64_t>& dst, int64_t n_layers, const kernels::BlockShape& shape,
-                     bool same_layout) {
-  const int64_t n = static_cast<int64_t>(src.size());
+/// dst_pages[dst[i]] <- src_pages[src[i]], i < n, for every layer, k and
+/// v. Pages must not overlap (a page both read and written).
+inline void copy_cpu(const CpuPages& to, const CpuPages& from, const int64_t* src, const int64_t* dst, int64_t n,
+                     int64_t n_layers, const kernels::BlockShape& shape, bool same_layout) {
   if (n == 0) return;
   const int64_t page_bytes = to.page_bytes;
-  at::parallel_for(0, n * n_layers, kernels::grain_for(2 * page_bytes), [&](int64_t begin, int64_t end) {
+  auto copy_range = [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t layer = item / n;
-      const size_t i = static_cast<size_t>(item % n);
+      const int64_t i = item % n;
       const int64_t from_off = layer * from.layer_bytes + src[i] * from.page_bytes;
       const int64_t to_off = layer * to.layer_bytes + dst[i] * to.page_bytes;
       if (same_layout) {
@@ -131,39 +129,55 @@ inline void copy_cpu(const CpuPages& to, const CpuPages& from, const std::vector
         kernels::copy_block(to.v + to_off, to.strides, from.v + from_off, from.strides, shape);
       }
     }
-  });
+  };
+  const int64_t grain = kernels::grain_for(2 * page_bytes);
+  if (n * n_layers <= grain) {
+    copy_range(0, n * n_layers);  // one chunk: skip the thread pool (copy-on-write of one page)
+  } else {
+    at::parallel_for(0, n * n_layers, grain, copy_range);
+  }
 }
 
 /// Device-agnostic: to[:, dst] = from[:, src] (relayout by transpose); the
 /// index_select materialises every source page before any write, so
 /// overlapping lists read the old contents.
-inline void copy_generic(const at::Tensor& to, const at::Tensor& from, const std::vector<int64_t>& src,
-                         const std::vector<int64_t>& dst, bool same_layout) {
-  if (src.empty()) return;
-  at::Tensor pages = from.index_select(1, kernels::host_index(src, from.device()));
+inline void copy_generic(const at::Tensor& to, const at::Tensor& from, const int64_t* src, const int64_t* dst,
+                         int64_t n, bool same_layout) {
+  if (n == 0) return;
+  const auto list = [n](const int64_t* ids, const at::Device& device) {
+    return kernels::host_index(std::vector<int64_t>(ids, ids + n), device);
+  };
+  at::Tensor pages = from.index_select(1, list(src, from.device()));
   // [L, n, a, b, D]: NHD pages are [P, H, D] and HND pages [H, P, D].
   if (!same_layout) pages = pages.transpose(2, 3).contiguous();
   if (pages.device() != to.device()) pages = pages.to(to.device());
-  to.index_copy_(1, kernels::host_index(dst, to.device()), pages);
+  to.index_copy_(1, list(dst, to.device()), pages);
 }
 
-/// Copies validated lists: to[dst[i]] <- from[src[i]]. Nothing here throws
-/// for valid input. `to` and `from` may be the same cache.
+/// Copies validated lists: to[dst[i]] <- from[src[i]], i < n. Nothing here
+/// throws for valid input (but a device error). `to` and `from` may be the
+/// same cache; `overlap`: some page is both read and written.
 template <class ToLayout, class FromLayout>
-void copy_unchecked(const PagedCache<ToLayout>& to, const PagedCache<FromLayout>& from,
-                    const std::vector<int64_t>& src, const std::vector<int64_t>& dst, bool overlap) {
-  if (src.empty()) return;
+void copy_unchecked(const PagedCache<ToLayout>& to, const PagedCache<FromLayout>& from, const int64_t* src,
+                    const int64_t* dst, int64_t n, bool overlap) {
+  if (n == 0) return;
   constexpr bool same_layout = std::is_same<ToLayout, FromLayout>::value;
   const bool cpu = kernels::use_cpu_kernels(to.device()) && kernels::use_cpu_kernels(from.device());
   if (cpu && !overlap) {
     const PageGeometry& g = to.geometry();
     const kernels::BlockShape shape{g.page_size, g.n_heads, g.head_dim,
                                     static_cast<int64_t>(to.k_cache().element_size())};
-    copy_cpu(cpu_pages(to), cpu_pages(from), src, dst, to.n_layers(), shape, same_layout);
+    copy_cpu(cpu_pages(to), cpu_pages(from), src, dst, n, to.n_layers(), shape, same_layout);
     return;
   }
-  copy_generic(to.k_cache(), from.k_cache(), src, dst, same_layout);
-  copy_generic(to.v_cache(), from.v_cache(), src, dst, same_layout);
+  copy_generic(to.k_cache(), from.k_cache(), src, dst, n, same_layout);
+  copy_generic(to.v_cache(), from.v_cache(), src, dst, n, same_layout);
+}
+
+template <class ToLayout, class FromLayout>
+void copy_unchecked(const PagedCache<ToLayout>& to, const PagedCache<FromLayout>& from,
+                    const std::vector<int64_t>& src, const std::vector<int64_t>& dst, bool overlap) {
+  copy_unchecked(to, from, src.data(), dst.data(), static_cast<int64_t>(src.size()), overlap);
 }
 
 /// The same geometry and dtype.

@@ -55,9 +55,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
-#include <limits>
-#include <set>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -115,17 +113,21 @@ class SequenceTable {
   int64_t fork(int64_t seq) {
     const checks::Caller caller{"SequenceTable", Layout::name, "fork"};
     owned(caller, seq);
-    PagePool& pool = cache_->pool();
-    const std::vector<int64_t>& pages = seqs_[static_cast<size_t>(seq)].pages;
-    for (int64_t page : pages) {
-      TORCH_CHECK(pool.ref_count(page) < std::numeric_limits<int32_t>::max(), caller, ": page ", page, " of sequence ",
-                  seq, " is at the ref_count limit");
-    }
     const int64_t child = new_id();  // may reallocate seqs_
     Seq& parent = seqs_[static_cast<size_t>(seq)];
+    PagePool& pool = cache_->pool();
+    size_t retained = 0;
+    try {
+      for (; retained < parent.pages.size(); ++retained) pool.retain(parent.pages[retained]);
+      seqs_[static_cast<size_t>(child)].pages.assign(parent.pages.begin(), parent.pages.end());
+    } catch (...) {  // a page at the ref_count limit (or no memory): undo
+      for (size_t i = 0; i < retained; ++i) pool.free(parent.pages[i]);
+      seqs_[static_cast<size_t>(child)].pages.clear();
+      free_ids_.push_back(child);
+      std::push_heap(free_ids_.begin(), free_ids_.end(), std::greater<int64_t>());
+      throw;
+    }
     Seq& c = seqs_[static_cast<size_t>(child)];
-    for (int64_t page : parent.pages) pool.retain(page);
-    c.pages = parent.pages;
     c.length = parent.length;
     c.live = true;
     ++n_live_;
@@ -169,29 +171,21 @@ class SequenceTable {
     for (int64_t j = first; j < have; ++j) shared += pool.ref_count(s.pages[static_cast<size_t>(j)]) > 1 ? 1 : 0;
     const int64_t grow = std::max<int64_t>(0, end - n_pages(s));
     if (shared + grow == 0) return true;
-    std::vector<int64_t> fresh = pool.alloc_n(shared + grow);
-    if (static_cast<int64_t>(fresh.size()) != shared + grow) return false;
-    // Which columns get which fresh page; the one that holds tokens of this
-    // sequence (the partly written page) is copied first, before any change.
-    std::vector<int64_t> cols, copy_src, copy_dst;
-    size_t next = 0;
+    if (pool.n_free() < shared + grow) return false;
+    s.pages.reserve(static_cast<size_t>(end));  // the only allocation: before any change
+    // From here on each alloc() succeeds. Only column `first` can hold
+    // tokens of this sequence (when the length is mid-page): it is copied
+    // before anything else changes, so that a failing copy (a device
+    // error) can be undone.
     for (int64_t j = first; j < have; ++j) {
-      const int64_t page = s.pages[static_cast<size_t>(j)];
+      int64_t& page = s.pages[static_cast<size_t>(j)];
       if (pool.ref_count(page) <= 1) continue;
-      cols.push_back(j);
-      if (j * page_size < s.length) {
-        copy_src.push_back(page);
-        copy_dst.push_back(fresh[next]);
-      }
-      ++next;
-    }
-    copy_or_undo(*cache_, *cache_, copy_src, copy_dst, fresh);
-    for (size_t i = 0; i < cols.size(); ++i) {
-      int64_t& page = s.pages[static_cast<size_t>(cols[i])];
+      const int64_t mine = pool.alloc();
+      if (j * page_size < s.length) copy_or_undo(*cache_, *cache_, &page, &mine, 1, &mine);
       pool.free(page);  // ref >= 2: only unreferenced
-      page = fresh[i];
+      page = mine;
     }
-    s.pages.insert(s.pages.end(), fresh.begin() + static_cast<std::ptrdiff_t>(next), fresh.end());
+    for (int64_t j = 0; j < grow; ++j) s.pages.push_back(pool.alloc());
     return true;
   }
 
@@ -249,7 +243,7 @@ class SequenceTable {
     std::vector<int64_t> host_pages = host.cache_->pool().alloc_n(n);
     if (static_cast<int64_t>(host_pages.size()) != n) return false;
     const std::vector<int64_t> mine(s.pages.begin(), s.pages.begin() + static_cast<std::ptrdiff_t>(n));
-    copy_or_undo(*host.cache_, *cache_, mine, host_pages, host_pages);
+    copy_or_undo(*host.cache_, *cache_, mine.data(), host_pages.data(), n, host_pages.data(), n);
     const int64_t host_seq = host.new_id();
     auto& h = host.seqs_[static_cast<size_t>(host_seq)];
     h.live = true;
@@ -282,7 +276,7 @@ class SequenceTable {
     const int64_t n = static_cast<int64_t>(h.pages.size());
     std::vector<int64_t> pages = cache_->pool().alloc_n(n);
     if (static_cast<int64_t>(pages.size()) != n) return false;
-    copy_or_undo(*cache_, *host.cache_, h.pages, pages, pages);
+    copy_or_undo(*cache_, *host.cache_, h.pages.data(), pages.data(), n, pages.data(), n);
     s.length = h.length;
     s.pages = std::move(pages);
     SequenceTable<OL>::release_holder(&host, s.host_seq);
@@ -329,17 +323,16 @@ class SequenceTable {
     void (*host_release)(void*, int64_t) = nullptr;
   };
 
-  /// to[dst] <- from[src] (validated lists, no overlap); if the copy throws
-  /// (a device error), frees the just-allocated `fresh` pages of `to` and
-  /// rethrows, so that nothing leaks.
+  /// to[dst] <- from[src] (n validated pages, no overlap); if the copy
+  /// throws (a device error), frees the n_fresh just-allocated pages `fresh`
+  /// of `to` and rethrows, so that nothing leaks.
   template <class ToLayout, class FromLayout>
-  static void copy_or_undo(PagedCache<ToLayout>& to, const PagedCache<FromLayout>& from,
-                           const std::vector<int64_t>& src, const std::vector<int64_t>& dst,
-                           const std::vector<int64_t>& fresh) {
+  static void copy_or_undo(PagedCache<ToLayout>& to, const PagedCache<FromLayout>& from, const int64_t* src,
+                           const int64_t* dst, int64_t n, const int64_t* fresh, int64_t n_fresh = 1) {
     try {
-      page_copy::copy_unchecked(to, from, src, dst, /*overlap=*/false);
+      page_copy::copy_unchecked(to, from, src, dst, n, /*overlap=*/false);
     } catch (...) {
-      for (int64_t page : fresh) to.pool().free(page);
+      for (int64_t i = 0; i < n_fresh; ++i) to.pool().free(fresh[i]);
       throw;
     }
   }
@@ -352,17 +345,24 @@ class SequenceTable {
 
   int64_t new_id() {
     if (!free_ids_.empty()) {
-      const int64_t seq = *free_ids_.begin();
-      free_ids_.erase(free_ids_.begin());
+      std::pop_heap(free_ids_.begin(), free_ids_.end(), std::greater<int64_t>());
+      const int64_t seq = free_ids_.back();
+      free_ids_.pop_back();
       return seq;
     }
     seqs_.emplace_back();
     return static_cast<int64_t>(seqs_.size()) - 1;
   }
 
+  /// Marks `seq` unused; keeps its page vector's memory for the next user.
   void retire(int64_t seq) {
-    seqs_[static_cast<size_t>(seq)] = Seq{};
-    free_ids_.insert(seq);
+    Seq& s = seqs_[static_cast<size_t>(seq)];
+    std::vector<int64_t> pages = std::move(s.pages);
+    pages.clear();
+    s = Seq{};
+    s.pages = std::move(pages);
+    free_ids_.push_back(seq);
+    std::push_heap(free_ids_.begin(), free_ids_.end(), std::greater<int64_t>());
     --n_live_;
   }
 
@@ -407,7 +407,7 @@ class SequenceTable {
 
   PagedCache<Layout>* cache_;
   std::vector<Seq> seqs_;       // indexed by id
-  std::set<int64_t> free_ids_;  // released ids below seqs_.size()
+  std::vector<int64_t> free_ids_;  // released ids below seqs_.size(): a min-heap
   int64_t n_live_ = 0;
 };
 
