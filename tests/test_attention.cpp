@@ -96,7 +96,9 @@ struct Filled {
     for (int64_t b = 0; b < batch; ++b) {
       // Map the pages the sequence uses, plus a spare column (then -1).
       const int64_t used = (lens[static_cast<size_t>(b)] + page_size - 1) / page_size + spare_cols;
-      for (int64_t c = 0; c < std::min(used, cols); ++c) rows[static_cast<size_t>(b)][static_cast<size_t>(c)] = pages[next++];
+      for (int64_t c = 0; c < std::min(used, cols); ++c) {
+        rows[static_cast<size_t>(b)][static_cast<size_t>(c)] = pages[next++];
+      }
     }
     page_table = table(rows, index).to(options.device());
     lengths = ints(lens, index).to(options.device());
@@ -136,9 +138,11 @@ TEST(AttentionKernels, HalfConversionIsBitIdenticalToC10) {
 
 TEST(AttentionKernels, PlanSplitsLongContextsAcrossThreads) {
   using pagedkv::attention_kernels::plan;
-  // B = 1 x 32k tokens, 8 kv heads, 16 threads: split into >= 8 pieces.
+  // Decode, B = 1 x 32k tokens, 8 kv heads (one item takes all 8), 16 threads:
+  // split into at least one piece per thread, covering [0, 32768) in order.
   const auto p = plan({32768}, 1, 4, 8, 16);
-  EXPECT_GE(static_cast<int64_t>(p.work.size()) * 8, 64);
+  EXPECT_EQ(p.heads, 8);
+  EXPECT_GE(p.work.size(), 16u);
   ASSERT_EQ(p.split.size(), 1u);
   int64_t covered = 0;
   for (const auto& w : p.work) {
@@ -146,44 +150,52 @@ TEST(AttentionKernels, PlanSplitsLongContextsAcrossThreads) {
     covered = w.t1;
   }
   EXPECT_EQ(covered, 32768);
-  // A large batch already fills the threads: no split.
-  EXPECT_TRUE(plan(std::vector<int64_t>(32, 2048), 1, 4, 8, 16).split.empty());
+  // A large batch already gives every thread several items: no split.
+  EXPECT_TRUE(plan(std::vector<int64_t>(32, 2048), 1, 4, 8, 4).split.empty());
   // One thread: never split.
   EXPECT_TRUE(plan({32768}, 1, 4, 8, 1).split.empty());
-  // Chunked prefill: query tiles read only up to their last query's position.
-  const auto prefill = plan({100}, 40, 1, 1, 1);
-  ASSERT_EQ(prefill.work.size(), 2u);
+  // Chunked prefill: one kv head per item, tiles of 64 / G queries that read
+  // only up to their last query's position.
+  const auto prefill = plan({100}, 40, 2, 3, 1);
+  EXPECT_EQ(prefill.heads, 1);
+  ASSERT_EQ(prefill.work.size(), 6u);  // 2 tiles x 3 kv heads
   EXPECT_EQ(prefill.work[0].t1, 60 + 32);
-  EXPECT_EQ(prefill.work[1].t1, 100);
+  EXPECT_EQ(prefill.work[3].t1, 100);
 }
 
 TEST_P(AttentionTest, MatchesFloat64ReferenceAcrossShapes) {
   std::mt19937_64 rng(1234);
   uint64_t seed = 1;
-  for (at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
-    for (int64_t page_size : {1, 3, 16}) {
-      for (int64_t group : {1, 4, 8}) {
-        for (int64_t n_queries : {1, 5}) {
-          for_each_layout([&](auto layout) {
-            using L = decltype(layout);
-            const at::ScalarType index = (seed % 2 == 0) ? at::kInt : at::kLong;
-            const int64_t kv_heads = 2;
-            const int64_t head_dim = (seed % 3 == 0) ? 20 : 32;  // 20: a tail past the 16-wide dot
-            std::vector<int64_t> lens;
-            for (int b = 0; b < 3; ++b) lens.push_back(n_queries + static_cast<int64_t>(rng() % 70));
-            lens[0] = n_queries;  // no prefix at all (decode at position 0 / a fresh prefill)
-            Filled<L> f(lens, page_size, kv_heads, head_dim, opts(dtype), index, ++seed);
-            const at::Tensor q = at::randn({3, n_queries, kv_heads * group, head_dim}, at::kFloat).to(opts(dtype));
-            const auto view = f.cache.bind(f.page_table, f.lengths);
-            const at::Tensor out = paged_attention(view, 1, q);
-            const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-            const double err = rel_error(out, reference(q, f.k, f.v, scale));
-            EXPECT_LT(err, tolerance(dtype)) << L::name << " " << dtype << " P=" << page_size << " G=" << group
-                                             << " Sq=" << n_queries << " index=" << index << " D=" << head_dim;
-            EXPECT_EQ(out.sizes(), q.sizes());
-            EXPECT_EQ(out.scalar_type(), dtype);
-            EXPECT_EQ(out.device(), q.device());
-          });
+  // The CPU kernel's best instruction set (AVX2 where available) and its portable loops.
+  for (auto isa : {pagedkv::attention_kernels::Isa::best, pagedkv::attention_kernels::Isa::portable}) {
+    for (at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+      for (int64_t page_size : {1, 3, 16}) {
+        for (int64_t group : {1, 4, 8}) {
+          for (int64_t n_queries : {1, 5}) {
+            for_each_layout([&](auto layout) {
+              using L = decltype(layout);
+              const at::ScalarType index = (seed % 2 == 0) ? at::kInt : at::kLong;
+              const int64_t kv_heads = 2;
+              // 20 and 24: the tails past the 16- and 8-wide loops over head_dim.
+              const int64_t head_dim = seed % 3 == 0 ? 20 : seed % 3 == 1 ? 24 : 32;
+              std::vector<int64_t> lens;
+              for (int b = 0; b < 3; ++b) lens.push_back(n_queries + static_cast<int64_t>(rng() % 70));
+              lens[0] = n_queries;  // no prefix at all (decode at position 0 / a fresh prefill)
+              Filled<L> f(lens, page_size, kv_heads, head_dim, opts(dtype), index, ++seed);
+              const at::Tensor q = at::randn({3, n_queries, kv_heads * group, head_dim}, at::kFloat).to(opts(dtype));
+              const auto view = f.cache.bind(f.page_table, f.lengths);
+              const pagedkv::attention_kernels::ScopedIsa scoped_isa(isa);
+              const at::Tensor out = paged_attention(view, 1, q);
+              const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+              const double err = rel_error(out, reference(q, f.k, f.v, scale));
+              EXPECT_LT(err, tolerance(dtype)) << L::name << " " << dtype << " P=" << page_size << " G=" << group
+                                               << " Sq=" << n_queries << " index=" << index << " D=" << head_dim
+                                               << " isa=" << static_cast<int>(isa);
+              EXPECT_EQ(out.sizes(), q.sizes());
+              EXPECT_EQ(out.scalar_type(), dtype);
+              EXPECT_EQ(out.device(), q.device());
+            });
+          }
         }
       }
     }
@@ -225,21 +237,24 @@ TEST_P(AttentionTest, LongContextsSplitAcrossThreadsMatch) {
   // the machine (OpenMP: the thread count may change between regions).
   const int previous = at::get_num_threads();
   at::set_num_threads(4);
-  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-    for_each_layout([&](auto layout) {
-      using L = decltype(layout);
-      const double scale = 1.0 / std::sqrt(32.0);
-      // Decode (MQA, 8 query heads): one long and one short sequence.
-      Filled<L> decode({2900, 17}, 16, 1, 32, opts(dtype), at::kInt, 99);
-      const at::Tensor q1 = at::randn({2, 1, 8, 32}).to(opts(dtype));
-      const at::Tensor out1 = paged_attention(decode.cache.bind(decode.page_table, decode.lengths), 1, q1);
-      EXPECT_LT(rel_error(out1, reference(q1, decode.k, decode.v, scale)), tolerance(dtype)) << L::name;
-      // Chunked prefill of 40 tokens on long prefixes: tiles x splits.
-      Filled<L> prefill({2900, 1200}, 16, 1, 32, opts(dtype), at::kLong, 98);
-      const at::Tensor q40 = at::randn({2, 40, 2, 32}).to(opts(dtype));
-      const at::Tensor out40 = paged_attention(prefill.cache.bind(prefill.page_table, prefill.lengths), 1, q40);
-      EXPECT_LT(rel_error(out40, reference(q40, prefill.k, prefill.v, scale)), tolerance(dtype)) << L::name;
-    });
+  for (auto isa : {pagedkv::attention_kernels::Isa::best, pagedkv::attention_kernels::Isa::portable}) {
+    const pagedkv::attention_kernels::ScopedIsa scoped_isa(isa);
+    for (at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+      for_each_layout([&](auto layout) {
+        using L = decltype(layout);
+        const double scale = 1.0 / std::sqrt(32.0);
+        // Decode (GQA 4, 2 kv heads in one item): one long and one short sequence.
+        Filled<L> decode({2900, 17}, 16, 2, 32, opts(dtype), at::kInt, 99);
+        const at::Tensor q1 = at::randn({2, 1, 8, 32}).to(opts(dtype));
+        const at::Tensor out1 = paged_attention(decode.cache.bind(decode.page_table, decode.lengths), 1, q1);
+        EXPECT_LT(rel_error(out1, reference(q1, decode.k, decode.v, scale)), tolerance(dtype)) << L::name;
+        // Chunked prefill of 40 tokens on long prefixes: tiles x splits.
+        Filled<L> prefill({2900, 1200}, 16, 1, 32, opts(dtype), at::kLong, 98);
+        const at::Tensor q40 = at::randn({2, 40, 2, 32}).to(opts(dtype));
+        const at::Tensor out40 = paged_attention(prefill.cache.bind(prefill.page_table, prefill.lengths), 1, q40);
+        EXPECT_LT(rel_error(out40, reference(q40, prefill.k, prefill.v, scale)), tolerance(dtype)) << L::name;
+      });
+    }
   }
   at::set_num_threads(previous);
 }

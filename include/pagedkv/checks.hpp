@@ -207,8 +207,8 @@ inline void attention_query(const Caller& caller, const at::Tensor& q, int64_t b
 
 /// scale: finite (<= 0 selects 1/sqrt(head_dim)).
 inline void attention_scale(const Caller& caller, double scale) {
-  TORCH_CHECK(std::isfinite(scale), caller, ": argument 'scale' expected a finite value (<= 0 for 1/sqrt(head_dim)), got ",
-              scale);
+  TORCH_CHECK(std::isfinite(scale), caller,
+              ": argument 'scale' expected a finite value (<= 0 for 1/sqrt(head_dim)), got ", scale);
 }
 
 /// The view carries per-sequence lengths (bind(page_table, lengths)).
