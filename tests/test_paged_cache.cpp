@@ -3,6 +3,7 @@
 // edge cases — on every test target (cpu, cpu_generic, cuda).
 #include <gtest/gtest.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "test_support.hpp"
@@ -17,6 +18,11 @@ using pagedkv_test::ints;
 using pagedkv_test::pattern;
 using pagedkv_test::table;
 using pagedkv_test::Target;
+
+// A copy would share storage but not the pool: two pools, one set of pages.
+static_assert(!std::is_copy_constructible<PagedCache<NHD>>::value, "PagedCache must not be copyable");
+static_assert(!std::is_copy_assignable<PagedCache<HND>>::value, "PagedCache must not be copyable");
+static_assert(std::is_nothrow_move_constructible<PagedCache<NHD>>::value, "PagedCache is movable");
 
 class PagedCacheTest : public ::testing::TestWithParam<Target> {
  protected:

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -27,11 +28,20 @@ class PagedCache {
  public:
   PagedCache(int64_t n_layers, int64_t n_pages, int64_t page_size, int64_t n_kv_heads, int64_t head_dim,
              at::TensorOptions options = at::TensorOptions().dtype(at::kHalf))
-      : geometry_(checked_geometry(n_layers, page_size, n_kv_heads, head_dim)),
+      : geometry_(checked_geometry(n_layers, n_pages, page_size, n_kv_heads, head_dim, options)),
         n_layers_(n_layers),
         pool_(n_pages),
         k_cache_(at::zeros(storage_shape(n_layers, n_pages), options.requires_grad(false))),
         v_cache_(at::zeros(storage_shape(n_layers, n_pages), options.requires_grad(false))) {}
+
+  /// Not copyable: a copy would share the storage tensors but not the pool,
+  /// and two pools handing out the same pages overwrite each other's data.
+  PagedCache(const PagedCache&) = delete;
+  PagedCache& operator=(const PagedCache&) = delete;
+  /// Movable; views bound to the moved-from cache must not be used after.
+  PagedCache(PagedCache&&) noexcept = default;
+  PagedCache& operator=(PagedCache&&) noexcept = default;
+  ~PagedCache() = default;
 
   // ---- pool, forwarded to the owned PagePool ----
   int64_t alloc() { return pool_.alloc(); }
@@ -163,15 +173,36 @@ class PagedCache {
   const PageGeometry& geometry() const { return geometry_; }
   at::Device device() const { return k_cache_.device(); }
 
+  /// Audits every invariant (O(n_pages): for tests and debugging): the
+  /// pool's (PagePool::check), and that k_cache() and v_cache() are still
+  /// contiguous, strided [n_layers, n_pages, <page>] tensors, backed by
+  /// enough storage, of one dtype on one device. Throws c10::Error naming the
+  /// first violation; changes nothing.
+  void check() const {
+    pool_.check();
+    const checks::Caller caller{"PagedCache", Layout::name, "check"};
+    check_storage(caller, "k_cache", k_cache_);
+    check_storage(caller, "v_cache", v_cache_);
+    TORCH_CHECK(v_cache_.scalar_type() == k_cache_.scalar_type(), caller, ": v_cache has dtype ",
+                v_cache_.scalar_type(), ", expected k_cache's ", k_cache_.scalar_type());
+    TORCH_CHECK(v_cache_.device() == k_cache_.device(), caller, ": v_cache is on ", v_cache_.device(),
+                ", expected k_cache's ", k_cache_.device());
+  }
+
  private:
   friend class CacheView<Layout>;
 
-  static PageGeometry checked_geometry(int64_t n_layers, int64_t page_size, int64_t n_kv_heads, int64_t head_dim) {
+  static PageGeometry checked_geometry(int64_t n_layers, int64_t n_pages, int64_t page_size, int64_t n_kv_heads,
+                                       int64_t head_dim, const at::TensorOptions& options) {
     const checks::Caller caller{"PagedCache", Layout::name, "PagedCache"};
     checks::positive(caller, "n_layers", n_layers);
     checks::positive(caller, "page_size", page_size);
     checks::positive(caller, "n_kv_heads", n_kv_heads);
     checks::positive(caller, "head_dim", head_dim);
+    checks::positive(caller, "n_pages", n_pages);
+    // Before any product of the sizes is formed (the geometry, the storage shape).
+    checks::storage_fits(caller, {n_layers, n_pages, page_size, n_kv_heads, head_dim},
+                         static_cast<int64_t>(options.dtype().itemsize()));
     return PageGeometry::of<Layout>(page_size, n_kv_heads, head_dim);
   }
 
@@ -183,6 +214,18 @@ class PagedCache {
   static at::Tensor on_host(const at::Tensor& t) { return t.device().is_cpu() ? t : t.to(at::kCPU); }
 
   at::ScalarType dtype() const { return k_cache_.scalar_type(); }
+
+  void check_storage(const checks::Caller& caller, const char* name, const at::Tensor& t) const {
+    TORCH_CHECK(t.defined(), caller, ": ", name, " is undefined");
+    TORCH_CHECK(t.layout() == at::kStrided, caller, ": ", name, " has layout ", t.layout(), ", expected strided");
+    const std::vector<int64_t> shape = storage_shape(n_layers_, n_pages());
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), caller, ": ", name, " has shape ", t.sizes(), ", expected ",
+                at::IntArrayRef(shape), " [n_layers, n_pages, <", Layout::name, " page>]");
+    TORCH_CHECK(t.is_contiguous(), caller, ": ", name, " has strides ", t.strides(), ", expected contiguous");
+    const auto needed = static_cast<size_t>((t.storage_offset() + t.numel()) * t.element_size());
+    TORCH_CHECK(t.has_storage() && t.storage().nbytes() >= needed, caller, ": ", name, " needs ", needed,
+                " bytes of storage, has ", t.has_storage() ? t.storage().nbytes() : 0);
+  }
 
   void check_write_args(const checks::Caller& caller, int64_t layer, const at::Tensor& page_table,
                         const at::Tensor& k, const at::Tensor& v) const {
@@ -200,6 +243,7 @@ class PagedCache {
   }
 
   /// Used by CacheView::gather for views bound with total_len > 0.
+  // cppcheck-suppress unusedPrivateFunction ; called by the friend CacheView
   std::pair<at::Tensor, at::Tensor> gather_prefix(int64_t layer, const at::Tensor& page_table,
                                                   int64_t total_len) const {
     const checks::Caller caller{"CacheView", Layout::name, "gather"};
@@ -245,8 +289,8 @@ class PagedCache {
     if (!kernels::use_cpu_kernels(device())) {
       return kernels::gather_generic(table, lengths, n_tokens, k_layer, v_layer, geometry_);
     }
-    at::Tensor k_out = at::empty({table.rows, n_tokens, n_kv_heads(), head_dim()}, k_cache_.options());
-    at::Tensor v_out = at::empty({table.rows, n_tokens, n_kv_heads(), head_dim()}, v_cache_.options());
+    at::Tensor k_out = outputs_->empty(0, {table.rows, n_tokens, n_kv_heads(), head_dim()}, k_cache_.options());
+    at::Tensor v_out = outputs_->empty(1, {table.rows, n_tokens, n_kv_heads(), head_dim()}, v_cache_.options());
     const kernels::LayerPages<const char> src{static_cast<const char*>(k_layer.data_ptr()),
                                               static_cast<const char*>(v_layer.data_ptr()), page_bytes(),
                                               kernels::page_strides(geometry_, elem_size())};
@@ -264,6 +308,8 @@ class PagedCache {
   PagePool pool_;
   at::Tensor k_cache_;  // [n_layers, n_pages, <page>]
   at::Tensor v_cache_;  // [n_layers, n_pages, <page>]
+  // Storage of the last CPU gather's outputs, reused once the caller drops them.
+  std::shared_ptr<kernels::OutputRecycler> outputs_ = std::make_shared<kernels::OutputRecycler>();
 };
 
 }  // namespace pagedkv
