@@ -113,6 +113,7 @@ void PropertyTest::run(uint64_t seed, int steps) {
     }
   };
   auto expect_pool_matches = [&] {
+    ASSERT_NO_THROW(cache.check());  // every invariant, after every step
     ASSERT_EQ(cache.n_free(), model.n_free());
     for (int64_t p = 0; p < n_pages; ++p) ASSERT_EQ(cache.ref_count(p), model.refs[static_cast<size_t>(p)]);
   };
@@ -121,6 +122,7 @@ void PropertyTest::run(uint64_t seed, int steps) {
     EXPECT_THROW(call(), c10::Error);
     ASSERT_TRUE(pagedkv_test::bitwise_equal(cache.k_cache(), k_before));
     ASSERT_TRUE(pagedkv_test::bitwise_equal(cache.v_cache(), v_before));
+    ASSERT_NO_THROW(cache.check());
   };
 
   int writes_done = 0, gathers_done = 0, rejected = 0;

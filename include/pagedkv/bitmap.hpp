@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "pagedkv/bits.hpp"
@@ -87,7 +88,48 @@ class HierarchicalBitmap {
     return true;
   }
 
+  /// The first broken invariant found by a full scan, described; empty when
+  /// there is none (for audits, not hot paths). Checks the level sizes, that
+  /// every summary bit agrees with the word below it, and that no bit is set
+  /// at or past the end of a level.
+  std::string audit() const {
+    int64_t bits_at_level = size_;
+    for (size_t l = 0; l < levels_.size(); ++l) {
+      const auto& level = levels_[l];
+      const int64_t words = bits::words_for(bits_at_level);
+      const size_t expected_words = static_cast<size_t>(words > 0 ? words : 1);
+      if (level.size() != expected_words) {
+        return "level " + std::to_string(l) + " has " + std::to_string(level.size()) + " words, expected " +
+               std::to_string(expected_words);
+      }
+      for (size_t w = 0; w < level.size(); ++w) {
+        const int64_t remaining = bits_at_level - static_cast<int64_t>(w) * bits::kWordBits;
+        const uint64_t stray = level[w] & ~bits::low_mask(remaining > 0 ? remaining : 0);
+        if (stray != 0) {
+          return "level " + std::to_string(l) + " word " + std::to_string(w) + " has bit " +
+                 std::to_string(static_cast<int64_t>(w) * bits::kWordBits + bits::countr_zero(stray)) +
+                 " set, past the level's " + std::to_string(bits_at_level) + " bits";
+        }
+        if (l + 1 < levels_.size()) {
+          const bool summary_bit = (levels_[l + 1][w / bits::kWordBits] & bits::bit(static_cast<int64_t>(w))) != 0;
+          if (summary_bit != (level[w] != 0)) {
+            return "level " + std::to_string(l + 1) + " bit " + std::to_string(w) + " is " +
+                   (summary_bit ? "set" : "clear") + " but level " + std::to_string(l) + " word " +
+                   std::to_string(w) + " is " + (level[w] != 0 ? "non-zero" : "zero");
+          }
+        }
+      }
+      bits_at_level = bits::words_for(bits_at_level);
+    }
+    if (levels_.back().size() != 1) {
+      return "the top level has " + std::to_string(levels_.back().size()) + " words, expected 1";
+    }
+    return {};
+  }
+
  private:
+  friend struct HierarchicalBitmapTestAccess;  // tests corrupt levels_ to prove audit() sees it
+
   void fill_all() {
     int64_t bits_at_level = size_;
     for (auto& level : levels_) {

@@ -9,7 +9,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
+#include <limits>
 #include <ostream>
+#include <sstream>
 #include <vector>
 
 #include "pagedkv/layouts.hpp"
@@ -48,6 +51,24 @@ inline void non_negative(const Caller& caller, const char* arg, int64_t value) {
 }
 
 inline bool is_index_type(at::ScalarType t) { return t == at::kInt || t == at::kLong; }
+
+/// The cache's storage, the product of `dims` (each >= 1: n_layers, n_pages,
+/// page_size, n_kv_heads, head_dim) elements of `elem_size` bytes, has a byte
+/// size that int64 holds, so no size or offset computed from them overflows.
+inline void storage_fits(const Caller& caller, std::initializer_list<int64_t> dims, int64_t elem_size) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  int64_t bytes = elem_size;
+  bool fits = true;
+  for (const int64_t d : dims) {
+    fits = fits && d <= kMax / bytes;
+    if (fits) bytes *= d;
+  }
+  if (fits) return;
+  std::ostringstream product;
+  for (const int64_t d : dims) product << d << " x ";
+  TORCH_CHECK(false, caller, ": expected n_layers x n_pages x page_size x n_kv_heads x head_dim x element size <= ",
+              kMax, " bytes, got ", product.str(), elem_size);
+}
 
 /// Page tables and per-sequence tensors may live on the CPU or the cache's device.
 inline void host_or_cache_device(const Caller& caller, const char* arg, const at::Tensor& t,
@@ -133,9 +154,12 @@ void write_range(const Caller& caller, const PageTableRef<Index>& table, int64_t
                  int64_t page_size, const PagePool& pool) {
   if (n == 0) return;
   const int64_t capacity = table.cols * page_size;
+  // start (validated >= 0) may be close to INT64_MAX: the last position,
+  // start + n - 1 < 2^64, is computed unsigned.
   TORCH_CHECK_INDEX(start <= capacity - n, caller, ": write of ", n, " tokens at start_pos ", start, " in row ", row,
                     " expected to end within the page table's ", table.cols, " columns (", capacity,
-                    " tokens), got last position ", start + n - 1, " (a write past the last column)");
+                    " tokens), got last position ", static_cast<uint64_t>(start) + static_cast<uint64_t>(n - 1),
+                    " (a write past the last column)");
   for (int64_t col = start / page_size; col <= (start + n - 1) / page_size; ++col) {
     page_allocated(caller, table, row, col, pool);
   }

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "pagedkv/bitmap.hpp"
@@ -75,6 +76,28 @@ class PagePool {
   int64_t n_pages() const noexcept { return static_cast<int64_t>(refs_.size()); }
   int64_t n_free() const noexcept { return n_free_; }
 
+  /// Audits every invariant with a full scan (O(n_pages): for tests and
+  /// debugging, not hot paths): the free bitmap and its summary levels agree
+  /// (HierarchicalBitmap::audit), a page is free in the bitmap iff its
+  /// ref_count is 0, no ref_count is negative, and n_free() is the number of
+  /// free pages. Throws c10::Error naming the first violation; changes nothing.
+  void check() const {
+    TORCH_CHECK(free_.size() == n_pages(), "pagedkv::PagePool::check: the free bitmap has ", free_.size(),
+                " bits, expected n_pages = ", n_pages());
+    const std::string bitmap_error = free_.audit();
+    TORCH_CHECK(bitmap_error.empty(), "pagedkv::PagePool::check: the free bitmap is inconsistent: ", bitmap_error);
+    int64_t n_zero = 0;
+    for (int64_t page = 0; page < n_pages(); ++page) {
+      const int32_t ref = refs_[idx(page)];
+      TORCH_CHECK(ref >= 0, "pagedkv::PagePool::check: page ", page, " has ref_count ", ref, ", expected >= 0");
+      TORCH_CHECK(free_.test(page) == (ref == 0), "pagedkv::PagePool::check: page ", page, " has ref_count ", ref,
+                  " but the free bitmap marks it ", free_.test(page) ? "free" : "allocated");
+      n_zero += ref == 0 ? 1 : 0;
+    }
+    TORCH_CHECK(n_free_ == n_zero, "pagedkv::PagePool::check: n_free() is ", n_free_, " but ", n_zero,
+                " pages have ref_count 0");
+  }
+
  private:
   static int64_t checked_size(int64_t n_pages) {
     TORCH_CHECK(n_pages >= 1, "pagedkv::PagePool: argument 'n_pages' expected >= 1, got ", n_pages);
@@ -96,6 +119,8 @@ class PagePool {
     refs_[idx(page)] = 1;
     --n_free_;
   }
+
+  friend struct PagePoolTestAccess;  // tests corrupt the state to prove check() sees it
 
   HierarchicalBitmap free_;   // bit set = page free
   std::vector<int32_t> refs_;  // [n_pages]
