@@ -7,7 +7,7 @@ CMAKE_ARGS ?=
 
 DEBIAN_PACKAGES := cmake g++ make libtorch-dev googletest libgtest-dev libbenchmark-dev python3-torch
 
-.PHONY: deps configure build test example bench clean
+.PHONY: deps configure build test example bench clean test-sanitize fuzz lint
 
 deps:
 	@./scripts/install-deps $(DEBIAN_PACKAGES)
@@ -27,3 +27,32 @@ example: configure
 
 clean:
 	rm -rf $(BUILD)
+
+# ---- reliability (CI runs all three after `make test`) ----
+
+# The test suite under AddressSanitizer + UndefinedBehaviorSanitizer
+# (CMakePresets.json: preset `sanitize`, build-sanitize/). The integration
+# tests, which only build consumer projects, are left to `make test`.
+test-sanitize: deps
+	cmake --preset sanitize
+	cmake --build --preset sanitize -j $(JOBS)
+	ctest --preset sanitize -j $(JOBS)
+
+# libFuzzer on the operation-script harness (fuzz/), FUZZ_SECONDS long, from
+# the committed seeds in fuzz/corpus/; new inputs go to fuzz/corpus-run/ and a
+# crashing input to build-fuzz/crash-*.
+FUZZ_SECONDS ?= 60
+FUZZ_PACKAGES := cmake make clang-14 libclang-rt-14-dev libtorch-dev
+fuzz:
+	@./scripts/install-deps $(FUZZ_PACKAGES)
+	cmake -S fuzz -B build-fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake --build build-fuzz -j $(JOBS)
+	mkdir -p fuzz/corpus-run
+	build-fuzz/fuzz_paged_cache -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
+	  -artifact_prefix=build-fuzz/ fuzz/corpus-run fuzz/corpus
+
+# cppcheck and clang-tidy over include/ (scripts/lint).
+LINT_PACKAGES := cppcheck clang-tidy-14 libtorch-dev
+lint:
+	@./scripts/install-deps $(LINT_PACKAGES)
+	./scripts/lint
