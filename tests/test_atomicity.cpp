@@ -235,6 +235,22 @@ TEST_P(Atomicity, WideBatchWhoseLastRowFails) {
   expect_atomic_failure(cache, "page_table[15][3]", [&] { cache.write(0, table(rows), 0, kv(16, 16, 3), kv(16, 16, 4)); });
 }
 
+// ---- copy_pages: the last pair of the lists is the bad one ----
+
+TEST_P(Atomicity, CopyPagesWhoseLastPairIsBad) {
+  auto cache = make_cache();
+  // pages 2 and 5 are shared (ref_count 2): no copy may land on them.
+  expect_atomic_failure(cache, "dst[2] = 5 with ref_count 2",
+                        [&] { cache.copy_pages(ints({0, 1, 3}), ints({8, 9, 5})); });
+  expect_atomic_failure(cache, "distinct pages", [&] { cache.copy_pages(ints({0, 1, 3}), ints({8, 9, 8})); });
+  cache.free(11);
+  expect_atomic_failure(cache, "dst[2] = 11 which is free",
+                        [&] { cache.copy_pages(ints({0, 1, 3}), ints({8, 9, 11}, at::kInt)); });
+  expect_atomic_failure(cache, "src[2] = 11 which is free",
+                        [&] { cache.copy_pages(ints({0, 1, 11}), ints({8, 9, 10})); });
+  expect_atomic_failure(cache, "src[2] = 16", [&] { cache.copy_pages(ints({0, 1, 16}), ints({8, 9, 10})); });
+}
+
 // ---- CacheView (its page table is shared: the engine may change it) ----
 
 TEST_P(Atomicity, ViewWriteAfterTheEngineFreedTheLastPage) {
