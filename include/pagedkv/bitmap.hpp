@@ -68,6 +68,30 @@ class HierarchicalBitmap {
     }
   }
 
+  /// Clears the `n` lowest set bits and writes their indices, ascending, to
+  /// out[0, n); n must not exceed the number of set bits. Word at a time: one
+  /// descent through the summaries per level-0 word, not one per bit.
+  void take_lowest(int64_t n, int64_t* out) noexcept {
+    int64_t taken = 0;
+    while (taken < n) {
+      int64_t w = 0;  // the first non-zero level-0 word
+      for (size_t l = levels_.size(); l-- > 1;) {
+        w = w * bits::kWordBits + bits::countr_zero(levels_[l][static_cast<size_t>(w)]);
+      }
+      uint64_t& word = levels_[0][static_cast<size_t>(w)];
+      uint64_t rest = word;
+      for (; rest != 0 && taken < n; rest &= rest - 1) out[taken++] = w * bits::kWordBits + bits::countr_zero(rest);
+      word = rest;
+      // The word is empty: clear its summary bits, as clear() does.
+      for (size_t l = 1; rest == 0 && l < levels_.size(); ++l) {
+        uint64_t& summary = levels_[l][static_cast<size_t>(bits::word_index(w))];
+        summary &= ~bits::bit(w);
+        rest = summary;
+        w = bits::word_index(w);
+      }
+    }
+  }
+
   /// Number of set bits (a scan: for audits, not hot paths).
   int64_t count() const noexcept {
     int64_t n = 0;
@@ -129,6 +153,7 @@ class HierarchicalBitmap {
 
  private:
   friend struct HierarchicalBitmapTestAccess;  // tests corrupt levels_ to prove audit() sees it
+
 
   void fill_all() {
     int64_t bits_at_level = size_;

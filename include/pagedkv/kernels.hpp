@@ -10,10 +10,16 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_table.hpp"
@@ -79,6 +85,32 @@ inline BlockStrides token_major_strides(const at::Tensor& t) {
   return {t.stride(1) * es, t.stride(2) * es, t.stride(3) * es};
 }
 
+/// Copies kBytes (a multiple of 16) with 16-byte moves the compiler unrolls.
+/// For one head vector this beats both a libc call and the `rep movsq` GCC
+/// emits for a constant-size memcpy of 256 bytes (bench/NOTES.md).
+template <int64_t kBytes>
+inline void copy_fixed(char* dst, const char* src) noexcept {
+  static_assert(kBytes % 16 == 0, "copy_fixed: a multiple of 16 bytes");
+  for (int64_t i = 0; i < kBytes; i += 16) std::memcpy(dst + i, src + i, 16);
+}
+
+/// Copies a [tokens, heads] grid of head vectors with copy_row(dst, src);
+/// the outer loop walks the dimension that jumps furthest, so the inner one
+/// streams through nearby memory.
+template <class CopyRow>
+inline void copy_head_vectors(char* dst, const BlockStrides& ds, const char* src, const BlockStrides& ss,
+                              const BlockShape& shape, const CopyRow& copy_row) {
+  if (ds.head + ss.head > ds.token + ss.token) {
+    for (int64_t h = 0; h < shape.heads; ++h)
+      for (int64_t t = 0; t < shape.tokens; ++t)
+        copy_row(dst + t * ds.token + h * ds.head, src + t * ss.token + h * ss.head);
+  } else {
+    for (int64_t t = 0; t < shape.tokens; ++t)
+      for (int64_t h = 0; h < shape.heads; ++h)
+        copy_row(dst + t * ds.token + h * ds.head, src + t * ss.token + h * ss.head);
+  }
+}
+
 /// Copies a block of bytes; merges head vectors, then whole tokens, into
 /// single memcpys wherever both sides are contiguous.
 inline void copy_block(char* dst, const BlockStrides& ds, const char* src, const BlockStrides& ss,
@@ -105,16 +137,15 @@ inline void copy_block(char* dst, const BlockStrides& ds, const char* src, const
       std::memcpy(dst + t * ds.token, src + t * ss.token, static_cast<size_t>(token_bytes));
     return;
   }
-  // Head vectors one by one; the outer loop walks the dimension that jumps
-  // furthest, so the inner one streams through nearby memory.
-  if (ds.head + ss.head > ds.token + ss.token) {
-    for (int64_t h = 0; h < shape.heads; ++h)
-      for (int64_t t = 0; t < shape.tokens; ++t)
-        std::memcpy(dst + t * ds.token + h * ds.head, src + t * ss.token + h * ss.head, static_cast<size_t>(row_bytes));
-  } else {
-    for (int64_t t = 0; t < shape.tokens; ++t)
-      for (int64_t h = 0; h < shape.heads; ++h)
-        std::memcpy(dst + t * ds.token + h * ds.head, src + t * ss.token + h * ss.head, static_cast<size_t>(row_bytes));
+  // Head vectors one by one (HND pages), with the common sizes inlined.
+  switch (row_bytes) {
+    case 128: return copy_head_vectors(dst, ds, src, ss, shape, [](char* d, const char* s) { copy_fixed<128>(d, s); });
+    case 256: return copy_head_vectors(dst, ds, src, ss, shape, [](char* d, const char* s) { copy_fixed<256>(d, s); });
+    case 512: return copy_head_vectors(dst, ds, src, ss, shape, [](char* d, const char* s) { copy_fixed<512>(d, s); });
+    default:
+      return copy_head_vectors(dst, ds, src, ss, shape, [row_bytes](char* d, const char* s) {
+        std::memcpy(d, s, static_cast<size_t>(row_bytes));
+      });
   }
 }
 
@@ -165,8 +196,12 @@ void write_cpu(const PageTableRef<Index>& table,  // [B, max_pages]
                const PageGeometry& g, int64_t elem_size) {
   if (n_tokens == 0 || table.rows == 0) return;
   const int64_t page_size = g.page_size;
-  // A run of n_tokens touches at most ceil(n/P) + 1 pages when it starts mid-page.
-  const int64_t items_per_row = (n_tokens + page_size - 1) / page_size + 1;
+  // Work items per row: the pages the widest row's run touches (at most
+  // ceil(n/P) + 1, when it starts mid-page; exactly 1 for a decode step).
+  int64_t items_per_row = 1;
+  for (const int64_t start : starts) {
+    items_per_row = std::max(items_per_row, (start + n_tokens - 1) / page_size - start / page_size + 1);
+  }
   const int64_t token_bytes = g.n_heads * g.head_dim * elem_size;
   const int64_t bytes_per_item = 2 * std::min(n_tokens, page_size) * token_bytes;
   at::parallel_for(0, table.rows * items_per_row, grain_for(bytes_per_item), [&](int64_t begin, int64_t end) {
@@ -223,6 +258,77 @@ void gather_cpu(const PageTableRef<Index>& table,    // [B, max_pages]
       zero_tokens(v_out + valid_bytes, last - valid_end, token_bytes);
     }
   });
+}
+
+/// Storage for the outputs of CPU gathers, recycled once the caller has
+/// dropped every tensor that used it. A fresh large at::empty costs a page
+/// fault per 4 KiB (the kernel zeroes each page on first touch), which made
+/// a gather several times slower than a memcpy of the same bytes; engines
+/// drop a gather's k and v before the next gather (next layer, next step),
+/// so the storage can be reused. A storage is reused only when nothing else
+/// refers to it (no tensor, no view, no weak reference), when it is large
+/// enough, and when it is at most twice the size needed (so a small gather
+/// does not pin a huge buffer). Holds at most one storage per slot.
+/// Thread-safe (gather is const and may run concurrently).
+class OutputRecycler {
+ public:
+  static constexpr size_t kSlots = 2;  ///< one for k, one for v
+
+  /// An uninitialised contiguous tensor of `sizes` on the CPU.
+  at::Tensor empty(size_t slot, at::IntArrayRef sizes, const at::TensorOptions& options) {
+    const int64_t numel = c10::multiply_integers(sizes);
+    const auto bytes = static_cast<size_t>(numel) * options.dtype().itemsize();
+    c10::Storage storage;
+    if (bytes > 0) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      c10::Storage& cached = cached_[slot];
+      if (cached && reusable(cached, bytes, options)) storage = std::move(cached);
+      cached = c10::Storage();
+    }
+    at::Tensor out;
+    if (storage) {
+      std::vector<int64_t> strides(sizes.size(), 1);
+      for (size_t d = sizes.size(); d-- > 1;) strides[d - 1] = strides[d] * std::max<int64_t>(sizes[d], 1);
+      out = at::empty({0}, options).set_(storage, 0, sizes, strides);
+    } else {
+      out = at::empty(sizes, options);
+      if (bytes == 0) return out;
+      storage = out.storage();
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    cached_[slot] = std::move(storage);
+    return out;
+  }
+
+ private:
+  static bool reusable(const c10::Storage& s, size_t bytes, const at::TensorOptions& options) {
+    // use_count 1: only this recycler holds it; weak count 2: the recycler's
+    // strong reference plus the temporary weak pointer asked.
+    return s.use_count() == 1 && s.getWeakStorageImpl().weak_use_count() == 2 && s.nbytes() >= bytes &&
+           s.nbytes() <= 2 * bytes && s.device() == options.device() && s.data() != nullptr;
+  }
+
+  std::mutex mutex_;
+  std::array<c10::Storage, kSlots> cached_;
+};
+
+/// A zeroed tensor for a cache's K or V storage. On Linux, CPU storage is
+/// advised to use transparent huge pages before its first touch: the kernels
+/// hop between pages far apart, and with 4 KiB pages every hop is a TLB miss
+/// (a nested page walk under a hypervisor). Only a hint: the storage is
+/// zeroed whole anyway, so it costs no memory.
+inline at::Tensor zeroed_storage(at::IntArrayRef shape, const at::TensorOptions& options) {
+  at::Tensor t = at::empty(shape, options);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (t.device().is_cpu() && t.nbytes() >= kHuge) {
+    const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+    const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
+    const uintptr_t last = (begin + t.nbytes()) & ~(kHuge - 1);
+    if (last > first) (void)madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+  }
+#endif
+  return t.zero_();
 }
 
 /// Row of the [n_pages * page_size * n_heads, head_dim] view of one layer

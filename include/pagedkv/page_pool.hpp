@@ -33,10 +33,11 @@ class PagePool {
   /// than n are free.
   std::vector<int64_t> alloc_n(int64_t n) {
     TORCH_CHECK(n >= 0, "pagedkv::PagePool::alloc_n: argument 'n' expected >= 0, got ", n);
-    std::vector<int64_t> pages;
-    if (n > n_free_) return pages;
-    pages.reserve(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) pages.push_back(alloc());
+    if (n > n_free_) return {};
+    std::vector<int64_t> pages(static_cast<size_t>(n));
+    free_.take_lowest(n, pages.data());  // the n lowest free pages, ascending: what n alloc()s give
+    for (const int64_t page : pages) refs_[idx(page)] = 1;
+    n_free_ -= n;
     return pages;
   }
 

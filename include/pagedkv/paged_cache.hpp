@@ -31,8 +31,8 @@ class PagedCache {
       : geometry_(checked_geometry(n_layers, n_pages, page_size, n_kv_heads, head_dim, options)),
         n_layers_(n_layers),
         pool_(n_pages),
-        k_cache_(at::zeros(storage_shape(n_layers, n_pages), options.requires_grad(false))),
-        v_cache_(at::zeros(storage_shape(n_layers, n_pages), options.requires_grad(false))) {}
+        k_cache_(kernels::zeroed_storage(storage_shape(n_layers, n_pages), options.requires_grad(false))),
+        v_cache_(kernels::zeroed_storage(storage_shape(n_layers, n_pages), options.requires_grad(false))) {}
 
   /// Not copyable: a copy would share the storage tensors but not the pool,
   /// and two pools handing out the same pages overwrite each other's data.
