@@ -25,6 +25,14 @@ example: configure
 	cmake --build $(BUILD) -j $(JOBS) --target attention_loop
 	$(BUILD)/examples/attention_loop
 
+# The benchmark suite (bench/, one binary) and its report: a markdown table
+# on stdout, docs/bench.md and docs/bench.png. Debian's python3 has matplotlib.
+BENCH_PACKAGES := python3-matplotlib
+bench: configure
+	@./scripts/install-deps $(BENCH_PACKAGES)
+	cmake --build $(BUILD) -j $(JOBS) --target pagedkv_bench
+	/usr/bin/python3 bench/report --binary $(BUILD)/bench/pagedkv_bench
+
 clean:
 	rm -rf $(BUILD)
 
