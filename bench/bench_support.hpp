@@ -198,9 +198,11 @@ inline int64_t pages_for(int64_t tokens) { return (tokens + kPageSize - 1) / kPa
 
 // ---- the memcpy limit ----
 
-/// Bytes per at::parallel_for chunk of the memcpy baseline (chosen by
-/// measurement, bench/NOTES.md): below this a copy runs on one thread.
-constexpr int64_t kMemcpyGrain = int64_t{256} << 10;
+/// Bytes per at::parallel_for chunk of the memcpy baseline: a copy of at
+/// most this runs on one thread. Measured (bench/NOTES.md, "threads"): two
+/// threads lose below 64 KiB and win from 128 KiB, as for the kernels'
+/// pagedkv::kernels::kChunkBytes.
+constexpr int64_t kMemcpyGrain = int64_t{64} << 10;
 
 /// memcpy of `copy_bytes` plus memset of `zero_bytes`, between buffers that
 /// are allocated and touched once up front (no page faults while timed).

@@ -15,10 +15,14 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#endif
+#if defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 #include "pagedkv/layouts.hpp"
@@ -85,13 +89,68 @@ inline BlockStrides token_major_strides(const at::Tensor& t) {
   return {t.stride(1) * es, t.stride(2) * es, t.stride(3) * es};
 }
 
+/// Whether kernels that write into the cache use streaming (non-temporal)
+/// stores: they bypass the caches, so writing a decode step's tokens, one
+/// per sequence at the same slot of pages that alias in the cache sets,
+/// costs no read-for-ownership and evicts nothing (bench/NOTES.md). x86-64
+/// only; elsewhere, and for destinations not 16-byte aligned, plain stores.
+#if defined(__SSE2__)
+constexpr bool kHaveStreamingStores = true;
+#else
+constexpr bool kHaveStreamingStores = false;
+#endif
+
+/// Orders this thread's streaming stores before whatever it does next; every
+/// parallel chunk that streamed calls it before it returns.
+inline void streaming_fence() noexcept {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
 /// Copies kBytes (a multiple of 16) with 16-byte moves the compiler unrolls.
 /// For one head vector this beats both a libc call and the `rep movsq` GCC
-/// emits for a constant-size memcpy of 256 bytes (bench/NOTES.md).
-template <int64_t kBytes>
+/// emits for a constant-size memcpy of 256 bytes (bench/NOTES.md). kStream:
+/// streaming stores when `dst` is 16-byte aligned.
+template <int64_t kBytes, bool kStream = false>
 inline void copy_fixed(char* dst, const char* src) noexcept {
   static_assert(kBytes % 16 == 0, "copy_fixed: a multiple of 16 bytes");
+#if defined(__SSE2__)
+  if (kStream && (reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    for (int64_t i = 0; i < kBytes; i += 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    }
+    return;
+  }
+#endif
   for (int64_t i = 0; i < kBytes; i += 16) std::memcpy(dst + i, src + i, 16);
+}
+
+/// memcpy; kStream: with streaming stores when `dst` is 16-byte aligned and
+/// `bytes` a multiple of 16.
+template <bool kStream>
+inline void copy_run(char* dst, const char* src, int64_t bytes) noexcept {
+#if defined(__SSE2__)
+  if (kStream && ((reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes)) & 15) == 0) {
+    int64_t i = 0;
+    for (; i + 64 <= bytes; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    for (; i < bytes; i += 16) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    }
+    return;
+  }
+#endif
+  std::memcpy(dst, src, static_cast<size_t>(bytes));
 }
 
 /// Copies a [tokens, heads] grid of head vectors with copy_row(dst, src);
@@ -112,7 +171,9 @@ inline void copy_head_vectors(char* dst, const BlockStrides& ds, const char* src
 }
 
 /// Copies a block of bytes; merges head vectors, then whole tokens, into
-/// single memcpys wherever both sides are contiguous.
+/// single memcpys wherever both sides are contiguous. kStream: streaming
+/// stores (see kHaveStreamingStores); the caller then calls streaming_fence().
+template <bool kStream = false>
 inline void copy_block(char* dst, const BlockStrides& ds, const char* src, const BlockStrides& ss,
                        const BlockShape& shape) {
   const int64_t es = shape.elem_size;
@@ -130,22 +191,24 @@ inline void copy_block(char* dst, const BlockStrides& ds, const char* src, const
   if (heads_contiguous) {
     const int64_t token_bytes = shape.heads * row_bytes;
     if (shape.tokens == 1 || (ds.token == token_bytes && ss.token == token_bytes)) {
-      std::memcpy(dst, src, static_cast<size_t>(shape.tokens * token_bytes));
+      copy_run<kStream>(dst, src, shape.tokens * token_bytes);
       return;
     }
-    for (int64_t t = 0; t < shape.tokens; ++t)
-      std::memcpy(dst + t * ds.token, src + t * ss.token, static_cast<size_t>(token_bytes));
+    for (int64_t t = 0; t < shape.tokens; ++t) copy_run<kStream>(dst + t * ds.token, src + t * ss.token, token_bytes);
     return;
   }
   // Head vectors one by one (HND pages), with the common sizes inlined.
+  const auto fixed = [&](auto bytes) {
+    copy_head_vectors(dst, ds, src, ss, shape,
+                      [](char* d, const char* s) { copy_fixed<decltype(bytes)::value, kStream>(d, s); });
+  };
   switch (row_bytes) {
-    case 128: return copy_head_vectors(dst, ds, src, ss, shape, [](char* d, const char* s) { copy_fixed<128>(d, s); });
-    case 256: return copy_head_vectors(dst, ds, src, ss, shape, [](char* d, const char* s) { copy_fixed<256>(d, s); });
-    case 512: return copy_head_vectors(dst, ds, src, ss, shape, [](char* d, const char* s) { copy_fixed<512>(d, s); });
+    case 128: return fixed(std::integral_constant<int64_t, 128>());
+    case 256: return fixed(std::integral_constant<int64_t, 256>());
+    case 512: return fixed(std::integral_constant<int64_t, 512>());
     default:
-      return copy_head_vectors(dst, ds, src, ss, shape, [row_bytes](char* d, const char* s) {
-        std::memcpy(d, s, static_cast<size_t>(row_bytes));
-      });
+      return copy_head_vectors(dst, ds, src, ss, shape,
+                               [row_bytes](char* d, const char* s) { copy_run<kStream>(d, s, row_bytes); });
   }
 }
 
@@ -155,7 +218,10 @@ inline void zero_tokens(char* dst, int64_t tokens, int64_t token_bytes) {
 }
 
 /// Work items per at::parallel_for chunk so that one chunk moves about
-/// `kChunkBytes`: smaller chunks cost more in scheduling than they gain.
+/// `kChunkBytes`; a call that moves less runs on the calling thread.
+/// Measured on 2 cores (bench/NOTES.md, "threads"): a second thread loses
+/// below 64 KiB (decode write of 8 sequences: 2.5 us on one thread, 3.0 on
+/// two), breaks even at 64-128 KiB and wins above (32 sequences: 7.3 vs 5.8).
 constexpr int64_t kChunkBytes = int64_t{64} << 10;
 inline int64_t grain_for(int64_t bytes_per_item) {
   return std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, bytes_per_item));
@@ -216,11 +282,14 @@ void write_cpu(const PageTableRef<Index>& table,  // [B, max_pages]
       const int64_t in_page = (first - col * page_size) * dst.strides.token;
       const int64_t token = first - start;
       const BlockShape shape{last - first, g.n_heads, g.head_dim, elem_size};
-      copy_block(dst.k + page * dst.page_bytes + in_page, dst.strides,
-                 src.k + row * src.k_batch_stride + token * src.k_strides.token, src.k_strides, shape);
-      copy_block(dst.v + page * dst.page_bytes + in_page, dst.strides,
-                 src.v + row * src.v_batch_stride + token * src.v_strides.token, src.v_strides, shape);
+      copy_block<kHaveStreamingStores>(dst.k + page * dst.page_bytes + in_page, dst.strides,
+                                       src.k + row * src.k_batch_stride + token * src.k_strides.token,
+                                       src.k_strides, shape);
+      copy_block<kHaveStreamingStores>(dst.v + page * dst.page_bytes + in_page, dst.strides,
+                                       src.v + row * src.v_batch_stride + token * src.v_strides.token,
+                                       src.v_strides, shape);
     }
+    streaming_fence();
   });
 }
 
