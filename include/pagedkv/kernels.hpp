@@ -100,6 +100,24 @@ constexpr bool kHaveStreamingStores = true;
 constexpr bool kHaveStreamingStores = false;
 #endif
 
+/// Writes into the cache that move at least this many bytes use streaming
+/// stores even where whole tokens are contiguous (NHD). Measured, one thread,
+/// decode writes of 2 KiB tokens (bench/NOTES.md): into slots written just
+/// before (still cached) plain stores win up to 512 KiB (128 sequences: 23
+/// vs 31 us) and lose from 1 MiB (256: 86 vs 61 us); into cold slots, as in a
+/// real decode step, streaming wins at every size (32 sequences: 17 vs 8 us).
+constexpr int64_t kStreamingMinBytes = int64_t{1} << 20;
+
+/// Whether a write of `bytes` into pages with strides `page` streams: when
+/// it is large, or when it goes head vector by head vector (HND pages: short
+/// runs that alias in the cache sets and defeat the prefetchers, so
+/// streaming wins at every measured size, warm or cold).
+inline bool use_streaming_stores(int64_t bytes, const BlockStrides& page, const PageGeometry& g,
+                                 int64_t elem_size) noexcept {
+  const bool head_vectors = g.n_heads > 1 && page.head != g.head_dim * elem_size;
+  return kHaveStreamingStores && (head_vectors || bytes >= kStreamingMinBytes);
+}
+
 /// Orders this thread's streaming stores before whatever it does next; every
 /// parallel chunk that streamed calls it before it returns.
 inline void streaming_fence() noexcept {
@@ -270,7 +288,9 @@ void write_cpu(const PageTableRef<Index>& table,  // [B, max_pages]
   }
   const int64_t token_bytes = g.n_heads * g.head_dim * elem_size;
   const int64_t bytes_per_item = 2 * std::min(n_tokens, page_size) * token_bytes;
-  at::parallel_for(0, table.rows * items_per_row, grain_for(bytes_per_item), [&](int64_t begin, int64_t end) {
+  const bool stream = use_streaming_stores(2 * table.rows * n_tokens * token_bytes, dst.strides, g, elem_size);
+  const auto run = [&](auto stream_tag, int64_t begin, int64_t end) {
+    constexpr bool kStream = decltype(stream_tag)::value;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / items_per_row;
       const int64_t start = starts[static_cast<size_t>(row)];
@@ -282,14 +302,19 @@ void write_cpu(const PageTableRef<Index>& table,  // [B, max_pages]
       const int64_t in_page = (first - col * page_size) * dst.strides.token;
       const int64_t token = first - start;
       const BlockShape shape{last - first, g.n_heads, g.head_dim, elem_size};
-      copy_block<kHaveStreamingStores>(dst.k + page * dst.page_bytes + in_page, dst.strides,
-                                       src.k + row * src.k_batch_stride + token * src.k_strides.token,
-                                       src.k_strides, shape);
-      copy_block<kHaveStreamingStores>(dst.v + page * dst.page_bytes + in_page, dst.strides,
-                                       src.v + row * src.v_batch_stride + token * src.v_strides.token,
-                                       src.v_strides, shape);
+      copy_block<kStream>(dst.k + page * dst.page_bytes + in_page, dst.strides,
+                          src.k + row * src.k_batch_stride + token * src.k_strides.token, src.k_strides, shape);
+      copy_block<kStream>(dst.v + page * dst.page_bytes + in_page, dst.strides,
+                          src.v + row * src.v_batch_stride + token * src.v_strides.token, src.v_strides, shape);
     }
-    streaming_fence();
+    if (kStream) streaming_fence();
+  };
+  at::parallel_for(0, table.rows * items_per_row, grain_for(bytes_per_item), [&](int64_t begin, int64_t end) {
+    if (stream) {
+      run(std::true_type(), begin, end);
+    } else {
+      run(std::false_type(), begin, end);
+    }
   });
 }
 
