@@ -20,58 +20,28 @@ struct PagePoolTestAccess {
 
 namespace {
 
-using pagedkv::PagedCache;
-using pagedkv_test::bitwise_equal;
-using pagedkv_test::ints;
-using pagedkv_test::pattern;
-using pagedkv_test::table;
-using pagedkv_test::Target;
+using namespace pagedkv_test;
 
 constexpr int64_t kLayers = 2, kPages = 16, kPageSize = 3, kHeads = 2, kHeadDim = 4;
 
-/// Everything a failed call must leave alone.
-struct State {
-  at::Tensor k, v;
-  std::vector<int64_t> refs;
-  int64_t n_free;
-};
-
+/// Everything a failed call must leave alone, and the cache still passes check().
 template <class Cache>
-State state_of(const Cache& cache) {
-  State s{cache.k_cache().cpu().clone(), cache.v_cache().cpu().clone(), {}, cache.n_free()};
-  for (int64_t p = 0; p < cache.n_pages(); ++p) s.refs.push_back(cache.ref_count(p));
-  return s;
-}
-
-template <class Cache>
-void expect_unchanged(const State& before, const Cache& cache) {
-  const State after = state_of(cache);
-  EXPECT_TRUE(bitwise_equal(before.k, after.k)) << "k_cache changed";
-  EXPECT_TRUE(bitwise_equal(before.v, after.v)) << "v_cache changed";
-  EXPECT_EQ(before.refs, after.refs);
-  EXPECT_EQ(before.n_free, after.n_free);
+void expect_unchanged(const CacheSnapshot& before, const Cache& cache) {
+  before.expect_same(cache);
   EXPECT_NO_THROW(cache.check());
 }
 
 /// `call` must throw c10::Error mentioning `fragment` and change nothing.
 template <class Cache, class F>
 void expect_atomic_failure(const Cache& cache, const std::string& fragment, F&& call) {
-  const State before = state_of(cache);
-  try {
-    call();
-    ADD_FAILURE() << "expected c10::Error containing '" << fragment << "'";
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
-    EXPECT_NE(message.find(fragment), std::string::npos) << message;
-  }
+  const CacheSnapshot before(cache);
+  expect_error(call, {fragment});
   expect_unchanged(before, cache);
 }
 
-class Atomicity : public ::testing::TestWithParam<Target> {
+class Atomicity : public TargetTest {
  protected:
-  void SetUp() override { PAGEDKV_SKIP_IF_UNAVAILABLE(GetParam()); }
-
-  at::TensorOptions opts() const { return at::TensorOptions().dtype(at::kHalf).device(GetParam().device); }
+  at::TensorOptions opts() const { return TargetTest::opts(at::kHalf); }
 
   /// A cache whose 12 allocated pages all hold distinct data, some shared
   /// (ref_count 2), 4 pages free.
@@ -93,8 +63,6 @@ class Atomicity : public ::testing::TestWithParam<Target> {
   at::Tensor kv(int64_t batch, int64_t seq, int64_t seed) const {
     return pattern({batch, seq, kHeads, kHeadDim}, seed, opts());
   }
-
-  pagedkv::ScopedBackend backend_{GetParam().backend};
 };
 
 // ---- pool calls (PagedCache forwards them to its PagePool) ----
@@ -102,14 +70,14 @@ class Atomicity : public ::testing::TestWithParam<Target> {
 TEST_P(Atomicity, AllocWhenExhaustedReturnsMinusOneAndChangesNothing) {
   auto cache = make_cache();
   cache.alloc_n(cache.n_free());
-  const State before = state_of(cache);
+  const CacheSnapshot before(cache);
   EXPECT_EQ(cache.alloc(), -1);
   expect_unchanged(before, cache);
 }
 
 TEST_P(Atomicity, AllocNOneMoreThanFreeChangesNothing) {
   auto cache = make_cache();
-  const State before = state_of(cache);
+  const CacheSnapshot before(cache);
   EXPECT_TRUE(cache.alloc_n(cache.n_free() + 1).empty());  // the last page is missing
   expect_unchanged(before, cache);
   EXPECT_EQ(cache.alloc_n(cache.n_free()).size(), 4u);

@@ -21,20 +21,8 @@
 
 namespace {
 
-using pagedkv::HND;
-using pagedkv::NHD;
-using pagedkv::PagedCache;
 using pagedkv::paged_attention;
-using pagedkv_test::bitwise_equal;
-using pagedkv_test::ints;
-using pagedkv_test::table;
-using pagedkv_test::Target;
-
-template <class Body>
-void for_each_layout(Body&& body) {
-  body(NHD{});
-  body(HND{});
-}
+using namespace pagedkv_test;
 
 /// softmax(q k^T * scale + causal mask) v in float64, per sequence.
 /// q: [B, Sq, Hq, D]; k[b], v[b]: [lengths[b], H, D]. Returns [B, Sq, Hq, D] float64 (cpu).
@@ -65,14 +53,7 @@ double rel_error(const at::Tensor& out, const at::Tensor& ref) {
 
 double tolerance(at::ScalarType dtype) { return dtype == at::kFloat ? 1e-5 : 2e-2; }
 
-class AttentionTest : public ::testing::TestWithParam<Target> {
- protected:
-  void SetUp() override { PAGEDKV_SKIP_IF_UNAVAILABLE(GetParam()); }
-  at::TensorOptions opts(at::ScalarType dtype = at::kFloat) const {
-    return at::TensorOptions().dtype(dtype).device(GetParam().device);
-  }
-  pagedkv::ScopedBackend backend_{GetParam().backend};
-};
+class AttentionTest : public TargetTest {};
 
 /// A cache holding per-sequence K/V of `lengths` tokens on scattered pages,
 /// and those K/V for the reference.
@@ -302,24 +283,18 @@ TEST_P(AttentionTest, EmptyBatchAndNoQueries) {
 
 // ---- bad input: c10::Error with a clear message, nothing changed ----
 
+/// The cache, plus the input tensors: paged_attention must not change them either.
 template <class L>
 struct Snapshot {
-  Snapshot(const PagedCache<L>& cache, const std::vector<at::Tensor>& tensors)
-      : k(cache.k_cache().clone()), v(cache.v_cache().clone()), n_free(cache.n_free()) {
-    for (int64_t p = 0; p < cache.n_pages(); ++p) refs.push_back(cache.ref_count(p));
+  Snapshot(const PagedCache<L>& cache, const std::vector<at::Tensor>& tensors) : cache_state(cache) {
     for (const auto& t : tensors) inputs.push_back(t.clone());
     originals = tensors;
   }
   void expect_same_as(const PagedCache<L>& cache) const {
-    EXPECT_TRUE(bitwise_equal(cache.k_cache(), k)) << "k_cache changed";
-    EXPECT_TRUE(bitwise_equal(cache.v_cache(), v)) << "v_cache changed";
-    EXPECT_EQ(cache.n_free(), n_free);
-    for (int64_t p = 0; p < cache.n_pages(); ++p) EXPECT_EQ(cache.ref_count(p), refs[static_cast<size_t>(p)]);
+    cache_state.expect_same(cache);
     for (size_t i = 0; i < inputs.size(); ++i) EXPECT_TRUE(bitwise_equal(originals[i], inputs[i])) << "input changed";
   }
-  at::Tensor k, v;
-  int64_t n_free;
-  std::vector<int64_t> refs;
+  CacheSnapshot cache_state;
   std::vector<at::Tensor> inputs, originals;
 };
 

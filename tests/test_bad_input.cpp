@@ -12,56 +12,19 @@
 
 namespace {
 
-using pagedkv::HND;
-using pagedkv::NHD;
-using pagedkv::PagedCache;
-using pagedkv_test::bitwise_equal;
-using pagedkv_test::ints;
-using pagedkv_test::pattern;
-using pagedkv_test::table;
-using pagedkv_test::Target;
-
-/// Everything a call could change: storage, refcounts, free count.
-template <class L>
-struct Snapshot {
-  explicit Snapshot(const PagedCache<L>& cache)
-      : k(cache.k_cache().clone()), v(cache.v_cache().clone()), n_free(cache.n_free()) {
-    for (int64_t p = 0; p < cache.n_pages(); ++p) refs.push_back(cache.ref_count(p));
-  }
-  void expect_same_as(const PagedCache<L>& cache) const {
-    EXPECT_TRUE(bitwise_equal(cache.k_cache(), k)) << "k_cache changed";
-    EXPECT_TRUE(bitwise_equal(cache.v_cache(), v)) << "v_cache changed";
-    EXPECT_EQ(cache.n_free(), n_free);
-    for (int64_t p = 0; p < cache.n_pages(); ++p) EXPECT_EQ(cache.ref_count(p), refs[static_cast<size_t>(p)]);
-  }
-  at::Tensor k, v;
-  int64_t n_free;
-  std::vector<int64_t> refs;
-};
+using namespace pagedkv_test;
 
 /// Expects `call` to throw c10::Error containing every phrase, and the cache
 /// to be unchanged afterwards.
 template <class L>
 void expect_rejected(PagedCache<L>& cache, const std::function<void()>& call, const std::vector<std::string>& phrases) {
-  const Snapshot<L> before(cache);
-  try {
-    call();
-    ADD_FAILURE() << "expected c10::Error containing '" << phrases.front() << "'";
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
-    for (const auto& phrase : phrases) EXPECT_NE(message.find(phrase), std::string::npos) << message;
-  }
-  before.expect_same_as(cache);
+  const CacheSnapshot before(cache);
+  expect_error(call, phrases);
+  before.expect_same(cache);
 }
 
-class BadInputTest : public ::testing::TestWithParam<Target> {
+class BadInputTest : public TargetTest {
  protected:
-  void SetUp() override { PAGEDKV_SKIP_IF_UNAVAILABLE(GetParam()); }
-  at::TensorOptions opts(at::ScalarType dtype = at::kFloat) const {
-    return at::TensorOptions().dtype(dtype).device(GetParam().device);
-  }
-  pagedkv::ScopedBackend backend_{GetParam().backend};
-
   /// A cache with written data on pages 0..5 (rows {0,1,2}, {3,4,5}), page
   /// 6 free, page 7 shared.
   template <class L>
@@ -81,12 +44,6 @@ class BadInputTest : public ::testing::TestWithParam<Target> {
     return pattern({batch, seq, heads, dim}, 9, opts(dtype));
   }
 };
-
-template <class Body>
-void for_each_layout(Body&& body) {
-  body(NHD{});
-  body(HND{});
-}
 
 TEST_P(BadInputTest, LayerOutOfRange) {
   for_each_layout([&](auto layout) {

@@ -10,30 +10,15 @@
 namespace {
 
 using pagedkv::CacheView;
-using pagedkv::HND;
-using pagedkv::NHD;
-using pagedkv::PagedCache;
-using pagedkv_test::bitwise_equal;
-using pagedkv_test::ints;
-using pagedkv_test::pattern;
-using pagedkv_test::table;
-using pagedkv_test::Target;
+using namespace pagedkv_test;
 
 static_assert(std::is_copy_constructible<CacheView<NHD>>::value, "views are passed by value to layers");
 static_assert(sizeof(CacheView<HND>) <= 4 * sizeof(void*), "a view is a pointer, two tensor handles and a length");
 
-class CacheViewTest : public ::testing::TestWithParam<Target> {
+class CacheViewTest : public TargetTest {
  protected:
-  void SetUp() override { PAGEDKV_SKIP_IF_UNAVAILABLE(GetParam()); }
-  at::TensorOptions opts() const { return at::TensorOptions().dtype(at::kHalf).device(GetParam().device); }
-  pagedkv::ScopedBackend backend_{GetParam().backend};
+  at::TensorOptions opts() const { return TargetTest::opts(at::kHalf); }
 };
-
-template <class Body>
-void for_each_layout(Body&& body) {
-  body(NHD{});
-  body(HND{});
-}
 
 TEST_P(CacheViewTest, TotalLenTruncatesLikeTheReference) {
   for_each_layout([&](auto layout) {

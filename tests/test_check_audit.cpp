@@ -32,18 +32,7 @@ using pagedkv::HierarchicalBitmapTestAccess;
 using pagedkv::PagedCache;
 using pagedkv::PagePool;
 using pagedkv::PagePoolTestAccess;
-
-/// Runs `f`, expects a c10::Error whose message contains every fragment.
-template <class F>
-void expect_error(F&& f, const std::vector<std::string>& fragments) {
-  try {
-    f();
-    ADD_FAILURE() << "expected c10::Error containing '" << fragments.front() << "'";
-  } catch (const c10::Error& e) {
-    const std::string message = e.what_without_backtrace();
-    for (const auto& fragment : fragments) EXPECT_NE(message.find(fragment), std::string::npos) << message;
-  }
-}
+using pagedkv_test::expect_error;
 
 TEST(BitmapAudit, CleanOnEveryShapeAndAfterRandomOperations) {
   std::mt19937_64 rng(11);

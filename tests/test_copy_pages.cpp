@@ -15,30 +15,9 @@
 
 namespace {
 
-using pagedkv::HND;
-using pagedkv::NHD;
-using pagedkv::PagedCache;
-using pagedkv_test::bitwise_equal;
-using pagedkv_test::ints;
-using pagedkv_test::pattern;
-using pagedkv_test::table;
-using pagedkv_test::Target;
+using namespace pagedkv_test;
 
-class CopyPagesTest : public ::testing::TestWithParam<Target> {
- protected:
-  void SetUp() override { PAGEDKV_SKIP_IF_UNAVAILABLE(GetParam()); }
-  at::Device device() const { return at::Device(GetParam().device); }
-  at::TensorOptions opts(at::ScalarType dtype = at::kFloat) const {
-    return at::TensorOptions().dtype(dtype).device(GetParam().device);
-  }
-  pagedkv::ScopedBackend backend_{GetParam().backend};
-};
-
-template <class Body>
-void for_each_layout(Body&& body) {
-  body(NHD{});
-  body(HND{});
-}
+class CopyPagesTest : public TargetTest {};
 
 /// Fills every page of the cache (allocated or not) with distinct values.
 template <class L>
@@ -52,39 +31,6 @@ template <class L>
 at::Tensor logical(const at::Tensor& storage) {
   const at::Tensor t = std::is_same<L, NHD>::value ? storage : storage.transpose(2, 3);
   return t.cpu().contiguous();
-}
-
-/// Everything a failed call must leave as it was.
-struct Snapshot {
-  at::Tensor k, v;
-  std::vector<int64_t> refs;
-  int64_t n_free;
-
-  template <class L>
-  explicit Snapshot(const PagedCache<L>& cache)
-      : k(cache.k_cache().cpu().clone()), v(cache.v_cache().cpu().clone()), n_free(cache.n_free()) {
-    for (int64_t p = 0; p < cache.n_pages(); ++p) refs.push_back(cache.ref_count(p));
-  }
-
-  template <class L>
-  void expect_same(const PagedCache<L>& cache, const std::string& what) const {
-    EXPECT_TRUE(bitwise_equal(cache.k_cache(), k)) << what << ": k_cache changed";
-    EXPECT_TRUE(bitwise_equal(cache.v_cache(), v)) << what << ": v_cache changed";
-    EXPECT_EQ(cache.n_free(), n_free) << what;
-    for (int64_t p = 0; p < cache.n_pages(); ++p) EXPECT_EQ(cache.ref_count(p), refs[static_cast<size_t>(p)]) << what;
-  }
-};
-
-/// `call` throws c10::Error whose message contains every one of `parts`.
-template <class Call>
-void expect_error(Call&& call, const std::vector<std::string>& parts) {
-  try {
-    call();
-    ADD_FAILURE() << "expected c10::Error containing '" << parts.front() << "'";
-  } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    for (const auto& part : parts) EXPECT_NE(msg.find(part), std::string::npos) << "message: " << msg;
-  }
 }
 
 /// expected[:, dst[i]] = before[:, src[i]], reads before writes.
@@ -167,7 +113,7 @@ TEST_P(CopyPagesTest, EmptyListsChangeNothing) {
   PagedCache<NHD> cache(1, 4, 2, 1, 2, opts());
   cache.alloc_n(2);
   fill(cache, 1);
-  const Snapshot before(cache);
+  const CacheSnapshot before(cache);
   cache.copy_pages(ints({}), ints({}, at::kInt));
   before.expect_same(cache, "empty copy_pages");
   PagedCache<HND> other(1, 4, 2, 1, 2, opts());
@@ -182,7 +128,7 @@ TEST_P(CopyPagesTest, BadListsThrowAndChangeNothing) {
     cache.alloc_n(6);  // pages 0..5 allocated, 6 and 7 free
     cache.retain(4);   // page 4 shared
     fill(cache, 5);
-    const Snapshot before(cache);
+    const CacheSnapshot before(cache);
     const std::string fn = std::string("pagedkv::PagedCache<") + L::name + ">::copy_pages";
     auto attempt = [&](const at::Tensor& src, const at::Tensor& dst, const std::vector<std::string>& parts,
                        const std::string& what) {
@@ -258,7 +204,7 @@ TEST_P(CopyPagesTest, CopyPagesFromRejectsOtherGeometryDtypeAndBadListsChangingN
   to.alloc_n(4);
   to.retain(3);
   fill(to, 2);
-  const Snapshot before(to);
+  const CacheSnapshot before(to);
   const std::string fn = "pagedkv::PagedCache<NHD>::copy_pages_from";
   auto attempt = [&](const auto& from, const at::Tensor& src, const at::Tensor& dst,
                      const std::vector<std::string>& parts, const std::string& what) {

@@ -10,35 +10,14 @@
 
 namespace {
 
-using pagedkv::HND;
-using pagedkv::NHD;
-using pagedkv::PagedCache;
-using pagedkv_test::bitwise_equal;
-using pagedkv_test::ints;
-using pagedkv_test::pattern;
-using pagedkv_test::table;
-using pagedkv_test::Target;
+using namespace pagedkv_test;
 
 // A copy would share storage but not the pool: two pools, one set of pages.
 static_assert(!std::is_copy_constructible<PagedCache<NHD>>::value, "PagedCache must not be copyable");
 static_assert(!std::is_copy_assignable<PagedCache<HND>>::value, "PagedCache must not be copyable");
 static_assert(std::is_nothrow_move_constructible<PagedCache<NHD>>::value, "PagedCache is movable");
 
-class PagedCacheTest : public ::testing::TestWithParam<Target> {
- protected:
-  void SetUp() override { PAGEDKV_SKIP_IF_UNAVAILABLE(GetParam()); }
-  at::TensorOptions opts(at::ScalarType dtype = at::kFloat) const {
-    return at::TensorOptions().dtype(dtype).device(GetParam().device);
-  }
-  pagedkv::ScopedBackend backend_{GetParam().backend};
-};
-
-/// Runs `body` once with an NHD tag and once with an HND tag.
-template <class Body>
-void for_each_layout(Body&& body) {
-  body(NHD{});
-  body(HND{});
-}
+class PagedCacheTest : public TargetTest {};
 
 TEST_P(PagedCacheTest, StorageShapeFollowsTheLayout) {
   PagedCache<NHD> nhd(2, 5, 3, 4, 8, opts());

@@ -18,23 +18,15 @@
 
 namespace {
 
-using pagedkv::HND;
-using pagedkv::NHD;
-using pagedkv::PagedCache;
 using pagedkv::SequenceTable;
-using pagedkv_test::bitwise_equal;
-using pagedkv_test::Target;
+using namespace pagedkv_test;
 
 constexpr int64_t kHeads = 2;
 constexpr int64_t kDim = 4;
 constexpr int64_t kLayers = 2;
 
-class SequencesTest : public ::testing::TestWithParam<Target> {
+class SequencesTest : public TargetTest {
  protected:
-  void SetUp() override { PAGEDKV_SKIP_IF_UNAVAILABLE(GetParam()); }
-  at::TensorOptions opts(at::ScalarType dtype = at::kFloat) const {
-    return at::TensorOptions().dtype(dtype).device(GetParam().device);
-  }
   template <class L = NHD>
   PagedCache<L> device_cache(int64_t n_pages, int64_t page_size = 3) const {
     return PagedCache<L>(kLayers, n_pages, page_size, kHeads, kDim, opts());
@@ -43,7 +35,6 @@ class SequencesTest : public ::testing::TestWithParam<Target> {
   static PagedCache<L> host_cache(int64_t n_pages, int64_t page_size = 3) {
     return PagedCache<L>(kLayers, n_pages, page_size, kHeads, kDim, at::TensorOptions().dtype(at::kFloat));
   }
-  pagedkv::ScopedBackend backend_{GetParam().backend};
 };
 
 // ---- token contents: token id t of layer l is k = t*16 + l*8 + [0..8), v = -k - 1 ----
@@ -110,27 +101,17 @@ void expect_contents(const SequenceTable<L>& table, const std::map<int64_t, std:
 /// Everything a failed call must leave as it was: the cache's tensors and
 /// pool, and every listed sequence's pages and length.
 struct Snapshot {
-  at::Tensor k, v;
-  std::vector<int64_t> refs;
-  int64_t n_free;
+  CacheSnapshot cache;
   std::map<int64_t, std::pair<std::vector<int64_t>, int64_t>> seqs;
 
   template <class L>
-  Snapshot(const SequenceTable<L>& table, const std::vector<int64_t>& ids)
-      : k(table.cache().k_cache().cpu().clone()),
-        v(table.cache().v_cache().cpu().clone()),
-        n_free(table.cache().n_free()) {
-    for (int64_t p = 0; p < table.cache().n_pages(); ++p) refs.push_back(table.cache().ref_count(p));
+  Snapshot(const SequenceTable<L>& table, const std::vector<int64_t>& ids) : cache(table.cache()) {
     for (int64_t id : ids) seqs[id] = {table.pages(id), table.length(id)};
   }
 
   template <class L>
   void expect_same(const SequenceTable<L>& table, const std::string& what) const {
-    EXPECT_TRUE(bitwise_equal(table.cache().k_cache(), k)) << what << ": k_cache changed";
-    EXPECT_TRUE(bitwise_equal(table.cache().v_cache(), v)) << what << ": v_cache changed";
-    EXPECT_EQ(table.cache().n_free(), n_free) << what;
-    for (int64_t p = 0; p < table.cache().n_pages(); ++p)
-      EXPECT_EQ(table.cache().ref_count(p), refs[static_cast<size_t>(p)]) << what << ": page " << p;
+    cache.expect_same(table.cache(), what);
     for (const auto& s : seqs) {
       ASSERT_TRUE(table.contains(s.first)) << what;
       EXPECT_EQ(table.pages(s.first), s.second.first) << what << ": pages of " << s.first;
@@ -138,17 +119,6 @@ struct Snapshot {
     }
   }
 };
-
-template <class Call>
-void expect_error(Call&& call, const std::vector<std::string>& parts) {
-  try {
-    call();
-    ADD_FAILURE() << "expected c10::Error containing '" << parts.front() << "'";
-  } catch (const c10::Error& e) {
-    const std::string msg = e.what_without_backtrace();
-    for (const auto& part : parts) EXPECT_NE(msg.find(part), std::string::npos) << "message: " << msg;
-  }
-}
 
 /// ref_count of every page == how many sequences of `tables` hold it.
 template <class L, class... Tables>

@@ -1,17 +1,25 @@
 // Shared test helpers: the targets every device-parametrised test runs on,
-// and small builders for page tables and K/V tensors.
+// the fixture they derive from, small builders for page tables and K/V
+// tensors, and the checks that a failed call threw and changed nothing.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "pagedkv/pagedkv.hpp"
 
 namespace pagedkv_test {
+
+/// Re-exported so `using namespace pagedkv_test;` is the one using line a test file needs.
+using pagedkv::HND;
+using pagedkv::NHD;
+using pagedkv::PagedCache;
 
 /// Where a test runs: a device plus the kernels the cache uses there.
 struct Target {
@@ -35,6 +43,27 @@ inline std::string target_name(const ::testing::TestParamInfo<Target>& info) { r
   do {                                                                            \
     if ((target).device == at::kCUDA && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
+
+/// Base fixture of every per-target test: skips a missing device, selects the target's backend.
+class TargetTest : public ::testing::TestWithParam<Target> {
+ protected:
+  void SetUp() override { PAGEDKV_SKIP_IF_UNAVAILABLE(GetParam()); }
+  /// The target's device, for moving index tensors onto it.
+  at::Device device() const { return at::Device(GetParam().device); }
+  /// Tensor options for a cache or K/V tensor on the target's device.
+  at::TensorOptions opts(at::ScalarType dtype = at::kFloat) const {
+    return at::TensorOptions().dtype(dtype).device(GetParam().device);
+  }
+  /// The target's backend, selected for the test's lifetime.
+  pagedkv::ScopedBackend backend_{GetParam().backend};
+};
+
+/// Runs `body` once with an NHD tag and once with an HND tag, so one test body covers both layouts.
+template <class Body>
+void for_each_layout(Body&& body) {
+  body(NHD{});
+  body(HND{});
+}
 
 /// A page table [rows, cols] from host values.
 inline at::Tensor table(const std::vector<std::vector<int64_t>>& rows, at::ScalarType dtype = at::kLong) {
@@ -69,5 +98,41 @@ inline bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   return ac.numel() == 0 ||
          std::memcmp(ac.data_ptr(), bc.data_ptr(), static_cast<size_t>(ac.numel()) * ac.element_size()) == 0;
 }
+
+/// Expects `call` to throw c10::Error whose message has every one of `parts`: every failure-path test's check.
+template <class Call>
+void expect_error(Call&& call, const std::vector<std::string>& parts) {
+  try {
+    call();
+    ADD_FAILURE() << "expected c10::Error containing '" << parts.front() << "'";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    for (const auto& part : parts) EXPECT_NE(msg.find(part), std::string::npos) << "message: " << msg;
+  }
+}
+
+/// What a failed call must leave as it was: K/V storage (a cpu copy), every ref_count, n_free.
+struct CacheSnapshot {
+  at::Tensor k, v;
+  std::vector<int64_t> refs;
+  int64_t n_free;
+
+  template <class Cache>
+  explicit CacheSnapshot(const Cache& cache)
+      : k(cache.k_cache().cpu().clone()), v(cache.v_cache().cpu().clone()), n_free(cache.n_free()) {
+    for (int64_t p = 0; p < cache.n_pages(); ++p) refs.push_back(cache.ref_count(p));
+  }
+
+  /// Expects `cache` to be as it was; `what` prefixes the failure messages.
+  template <class Cache>
+  void expect_same(const Cache& cache, const std::string& what = "") const {
+    const std::string prefix = what.empty() ? "" : what + ": ";
+    EXPECT_TRUE(bitwise_equal(cache.k_cache(), k)) << prefix << "k_cache changed";
+    EXPECT_TRUE(bitwise_equal(cache.v_cache(), v)) << prefix << "v_cache changed";
+    EXPECT_EQ(cache.n_free(), n_free) << what;
+    for (int64_t p = 0; p < cache.n_pages(); ++p)
+      EXPECT_EQ(cache.ref_count(p), refs[static_cast<size_t>(p)]) << prefix << "page " << p;
+  }
+};
 
 }  // namespace pagedkv_test
