@@ -112,6 +112,14 @@ TEST_P(Atomicity, RetainAtTheRefCountLimit) {
   expect_atomic_failure(cache, "at the limit", [&] { cache.retain(3); });
 }
 
+TEST_P(Atomicity, RetainAllAtTheRefCountLimit) {
+  auto cache = make_cache();
+  pagedkv::PagePoolTestAccess::refs(cache.pool())[3] = std::numeric_limits<int32_t>::max() - 1;
+  // pages[1] takes page 3 to the limit, pages[2] would pass it: both undone.
+  expect_atomic_failure(cache, "retain_all: argument 'pages' expected ref_counts < 2147483647, got page 3 at pages[2]",
+                        [&] { cache.pool().retain_all({0, 3, 3}); });
+}
+
 // ---- write(layer, page_table, int start_pos, k, v) ----
 
 TEST_P(Atomicity, WriteWhoseLastRowHasABadPageId) {

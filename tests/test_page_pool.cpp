@@ -76,6 +76,51 @@ void expect_rejected(PagePool& pool, const std::function<void()>& call, const st
   for (int64_t p = 0; p < pool.n_pages(); ++p) EXPECT_EQ(pool.ref_count(p), refs_before[static_cast<size_t>(p)]);
 }
 
+TEST(PagePool, RetainAllAndFreeAllCountEveryListedPage) {
+  PagePool pool(6);
+  EXPECT_EQ(pool.alloc_n(4), (std::vector<int64_t>{0, 1, 2, 3}));
+  pool.retain_all({1, 2, 2});  // a page listed twice gains 2
+  EXPECT_EQ(pool.ref_count(0), 1);
+  EXPECT_EQ(pool.ref_count(1), 2);
+  EXPECT_EQ(pool.ref_count(2), 3);
+  pool.retain_all({});
+  pool.free_all({});
+  EXPECT_EQ(pool.n_free(), 2);
+  pool.free_all({2, 0, 2, 1, 2});  // 0 and 2 reach 0 and are free again; 1 only loses a reference
+  EXPECT_EQ(pool.ref_count(0), 0);
+  EXPECT_EQ(pool.ref_count(1), 1);
+  EXPECT_EQ(pool.ref_count(2), 0);
+  EXPECT_EQ(pool.n_free(), 4);
+  EXPECT_NO_THROW(pool.check());
+  EXPECT_EQ(pool.alloc_n(3), (std::vector<int64_t>{0, 2, 4}));  // the freed pages come back lowest-first
+}
+
+TEST(PagePool, RetainAllAndFreeAllAreAllOrNothing) {
+  PagePool pool(5);
+  pool.alloc_n(4);  // pages 0..3, page 4 free
+  pool.retain(1);   // ref 2
+  // The bad entry comes last, after entries the call would already have
+  // changed: a partial change would show in the ref counts or n_free.
+  expect_rejected(pool, [&] { pool.retain_all({0, 1, 4}); },
+                  "PagePool::retain_all: argument 'pages' expected allocated pages, got page 4 at pages[2] which is "
+                  "free (retain of a free page)");
+  expect_rejected(pool, [&] { pool.retain_all({0, 5}); }, "retain_all: argument 'pages' expected ids in [0, 5), got 5 "
+                                                          "at pages[1]");
+  expect_rejected(pool, [&] { pool.retain_all({2, -1}); }, "got -1 at pages[1]");
+  expect_rejected(pool, [&] { pool.free_all({0, 2, 4}); },
+                  "PagePool::free_all: argument 'pages' expected allocated pages, got page 4 at pages[2] which is "
+                  "already free (double free)");
+  // 0 reaches 0 at pages[0] (and would be free) before pages[2] lists it again.
+  expect_rejected(pool, [&] { pool.free_all({0, 1, 0}); },
+                  "PagePool::free_all: argument 'pages' expected each page at most ref_count times, got page 0 at "
+                  "pages[2] listed 2 times with ref_count 1 (double free)");
+  expect_rejected(pool, [&] { pool.free_all({3, 1, 1, 1}); }, "got page 1 at pages[3] listed 3 times with ref_count 2");
+  expect_rejected(pool, [&] { pool.free_all({3, 7}); }, "free_all: argument 'pages' expected ids in [0, 5), got 7");
+  EXPECT_NO_THROW(pool.check());  // the free bitmap was restored too
+  EXPECT_EQ(pool.alloc(), 4);
+  EXPECT_EQ(pool.alloc(), -1);
+}
+
 TEST(PagePool, RejectsBadCallsWithoutChangingAnything) {
   PagePool pool(4);
   pool.alloc_n(2);

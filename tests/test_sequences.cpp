@@ -490,6 +490,60 @@ TEST_P(SequencesTest, SwapFailuresChangeNothing) {
   expect_contents(table, {{a, range(0, 7)}}, "after the failures");
 }
 
+// An engine that frees a page through the cache while a sequence still
+// lists it breaks the table's bookkeeping; the table's next call on that
+// sequence must then throw and change nothing, not free half its pages.
+TEST_P(SequencesTest, PagesFreedBehindTheTablesBackMakeCallsThrowAndChangeNothing) {
+  auto cache = device_cache(8);
+  SequenceTable<NHD> table(cache);
+  auto hc = host_cache(8);
+  SequenceTable<HND> host(hc);
+  const int64_t a = table.create();
+  append(table, a, range(0, 8));  // 3 pages
+  const int64_t b = table.create();
+  append(table, b, range(20, 4));  // 2 pages
+  const std::vector<int64_t> pages = table.pages(a);
+  cache.free(pages.back());  // its last page: the calls meet it after the others
+  {
+    const Snapshot before(table, {a, b});
+    const CacheSnapshot host_before(hc);
+    const std::string freed = "whose page " + std::to_string(pages.back()) + " (its page 2) is free";
+    expect_error([&] { table.release(a); }, {"SequenceTable<NHD>::release", "'seq'", freed});
+    before.expect_same(table, "release");
+    expect_error([&] { table.fork(a); }, {"SequenceTable<NHD>::fork", freed});
+    before.expect_same(table, "fork");
+    EXPECT_EQ(table.size(), 2);
+    expect_error([&] { table.swap_out(a, host); }, {"SequenceTable<NHD>::swap_out", freed});
+    before.expect_same(table, "swap_out");
+    host_before.expect_same(hc, "swap_out (host side)");
+    EXPECT_EQ(host.size(), 0);
+    EXPECT_FALSE(table.swapped(a));
+  }
+  ASSERT_EQ(cache.alloc(), pages.back());  // repaired (the lowest free page): everything works again
+  const int64_t c = table.fork(a);
+  table.release(c);
+  ASSERT_TRUE(table.swap_out(b, host));
+  const std::vector<int64_t> host_pages = host.pages(0);
+  hc.free(host_pages.back());
+  {
+    const Snapshot before(table, {a});
+    const CacheSnapshot device_before(cache);
+    const CacheSnapshot host_before(hc);
+    expect_error([&] { table.swap_in(b, host); },
+                 {"SequenceTable<NHD>::swap_in", "whose page " + std::to_string(host_pages.back()) + " (its page 1)"});
+    before.expect_same(table, "swap_in");
+    device_before.expect_same(cache, "swap_in");
+    host_before.expect_same(hc, "swap_in (host side)");
+    EXPECT_TRUE(table.swapped(b));
+  }
+  ASSERT_EQ(hc.alloc(), host_pages.back());
+  ASSERT_TRUE(table.swap_in(b, host));
+  expect_contents(table, {{a, range(0, 8)}, {b, range(20, 4)}}, "after the repairs");
+  expect_refcounts_match(cache, table);
+  EXPECT_NO_THROW(cache.check());
+  EXPECT_NO_THROW(hc.check());
+}
+
 TEST_P(SequencesTest, SwappingASharingSequenceLeavesItsForksIntact) {
   auto cache = device_cache(8);
   SequenceTable<NHD> table(cache);

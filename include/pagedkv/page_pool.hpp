@@ -3,8 +3,10 @@
 // rank and every run, as in the reference's `_free_mask`.
 #pragma once
 
+#include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -63,6 +65,48 @@ class PagePool {
     }
   }
 
+  /// retain() of every page of a list (a page listed twice gains 2), all or
+  /// nothing: on any bad id nothing changes. For forks, which share every
+  /// page of a sequence: one tight pass instead of a checked call per page
+  /// (bench/NOTES.md, "fork").
+  void retain_all(c10::ArrayRef<int64_t> pages) {
+    size_t done = 0;
+    for (; done < pages.size(); ++done) {
+      const int64_t page = pages[done];
+      if (!in_range(page)) break;
+      int32_t& ref = refs_[idx(page)];
+      if (ref <= 0 || ref == std::numeric_limits<int32_t>::max()) break;
+      ++ref;
+    }
+    if (done == pages.size()) return;
+    for (size_t i = 0; i < done; ++i) --refs_[idx(pages[i])];  // undo: nothing changed
+    reject_retain_all(pages, done);
+  }
+
+  /// free() of every page of a list (a page listed twice loses 2), all or
+  /// nothing: on any bad id, or a page listed more times than its ref_count
+  /// (a double free), nothing changes. For releasing a sequence's pages.
+  void free_all(c10::ArrayRef<int64_t> pages) {
+    size_t done = 0;
+    for (; done < pages.size(); ++done) {
+      const int64_t page = pages[done];
+      if (!in_range(page) || refs_[idx(page)] <= 0) break;
+      if (--refs_[idx(page)] == 0) {
+        free_.set(page);
+        ++n_free_;
+      }
+    }
+    if (done == pages.size()) return;
+    for (size_t i = 0; i < done; ++i) {  // undo: nothing changed
+      const int64_t page = pages[i];
+      if (refs_[idx(page)]++ == 0) {
+        free_.clear(page);
+        --n_free_;
+      }
+    }
+    reject_free_all(pages, done);
+  }
+
   /// 0 for a free page.
   int64_t ref_count(int64_t page) const {
     check_in_range("ref_count", page);
@@ -113,6 +157,35 @@ class PagePool {
   void check_in_range(const char* fn, int64_t page) const {
     TORCH_CHECK_INDEX(page >= 0 && page < n_pages(), "pagedkv::PagePool::", fn,
                       ": argument 'page' expected in [0, ", n_pages(), "), got ", page);
+  }
+
+  bool in_range(int64_t page) const noexcept { return static_cast<uint64_t>(page) < refs_.size(); }
+
+  // Why retain_all / free_all stopped at pages[i] (after undoing their
+  // work): out of line, so that their loops stay small.
+
+  [[noreturn]] C10_NOINLINE void reject_retain_all(c10::ArrayRef<int64_t> pages, size_t i) const {
+    const int64_t page = check_listed_in_range("retain_all", pages, i);
+    TORCH_CHECK(refs_[idx(page)] == 0, "pagedkv::PagePool::retain_all: argument 'pages' expected ref_counts < ",
+                std::numeric_limits<int32_t>::max(), ", got page ", page, " at pages[", i, "] at the limit");
+    TORCH_CHECK(false, "pagedkv::PagePool::retain_all: argument 'pages' expected allocated pages, got page ", page,
+                " at pages[", i, "] which is free (retain of a free page)");
+  }
+
+  [[noreturn]] C10_NOINLINE void reject_free_all(c10::ArrayRef<int64_t> pages, size_t i) const {
+    const int64_t page = check_listed_in_range("free_all", pages, i);
+    const auto listed_before = std::count(pages.begin(), pages.begin() + static_cast<std::ptrdiff_t>(i), page);
+    TORCH_CHECK(listed_before == 0, "pagedkv::PagePool::free_all: argument 'pages' expected each page at most ",
+                "ref_count times, got page ", page, " at pages[", i, "] listed ", listed_before + 1,
+                " times with ref_count ", refs_[idx(page)], " (double free)");
+    TORCH_CHECK(false, "pagedkv::PagePool::free_all: argument 'pages' expected allocated pages, got page ", page,
+                " at pages[", i, "] which is already free (double free)");
+  }
+
+  int64_t check_listed_in_range(const char* fn, c10::ArrayRef<int64_t> pages, size_t i) const {
+    TORCH_CHECK_INDEX(in_range(pages[i]), "pagedkv::PagePool::", fn, ": argument 'pages' expected ids in [0, ",
+                      n_pages(), "), got ", pages[i], " at pages[", i, "]");
+    return pages[i];
   }
 
   void take(int64_t page) noexcept {

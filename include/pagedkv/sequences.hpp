@@ -115,19 +115,17 @@ class SequenceTable {
     owned(caller, seq);
     const int64_t child = new_id();  // may reallocate seqs_
     Seq& parent = seqs_[static_cast<size_t>(seq)];
-    PagePool& pool = cache_->pool();
-    size_t retained = 0;
+    Seq& c = seqs_[static_cast<size_t>(child)];
     try {
-      for (; retained < parent.pages.size(); ++retained) pool.retain(parent.pages[retained]);
-      seqs_[static_cast<size_t>(child)].pages.assign(parent.pages.begin(), parent.pages.end());
-    } catch (...) {  // a page at the ref_count limit (or no memory): undo
-      for (size_t i = 0; i < retained; ++i) pool.free(parent.pages[i]);
-      seqs_[static_cast<size_t>(child)].pages.clear();
+      c.pages.assign(parent.pages.begin(), parent.pages.end());
+      cache_->pool().retain_all(parent.pages);  // all or nothing
+    } catch (...) {  // a page at the ref_count limit or freed behind the table's back (or no memory): undo
+      c.pages.clear();
       free_ids_.push_back(child);
       std::push_heap(free_ids_.begin(), free_ids_.end(), std::greater<int64_t>());
+      pages_held(caller, seq, parent.pages, cache_->pool());
       throw;
     }
-    Seq& c = seqs_[static_cast<size_t>(child)];
     c.length = parent.length;
     c.live = true;
     ++n_live_;
@@ -143,7 +141,12 @@ class SequenceTable {
     if (s.swapped) {
       s.host_release(s.host, s.host_seq);
     } else {
-      for (int64_t page : s.pages) cache_->pool().free(page);
+      try {
+        cache_->pool().free_all(s.pages);  // all or nothing
+      } catch (const c10::Error&) {
+        pages_held(caller, seq, s.pages, cache_->pool());
+        throw;
+      }
     }
     retire(seq);
   }
@@ -239,11 +242,13 @@ class SequenceTable {
     const checks::Caller caller{"SequenceTable", Layout::name, "swap_out"};
     Seq& s = owned(caller, seq);
     other_table(caller, host);
+    pages_held(caller, seq, s.pages, cache_->pool());  // so that the frees below cannot fail
     const int64_t n = pages_for(s.length);
     std::vector<int64_t> host_pages = host.cache_->pool().alloc_n(n);
     if (static_cast<int64_t>(host_pages.size()) != n) return false;
     const std::vector<int64_t> mine(s.pages.begin(), s.pages.begin() + static_cast<std::ptrdiff_t>(n));
     copy_or_undo(*host.cache_, *cache_, mine.data(), host_pages.data(), n, host_pages.data(), n);
+    cache_->pool().free_all(s.pages);
     const int64_t host_seq = host.new_id();
     auto& h = host.seqs_[static_cast<size_t>(host_seq)];
     h.live = true;
@@ -251,7 +256,6 @@ class SequenceTable {
     h.pages = std::move(host_pages);
     h.length = s.length;
     ++host.n_live_;
-    for (int64_t page : s.pages) cache_->pool().free(page);
     s.pages.clear();
     s.swapped = true;
     s.host = &host;
@@ -273,6 +277,7 @@ class SequenceTable {
     TORCH_CHECK(s.host == static_cast<const void*>(&host), caller,
                 ": argument 'host' expected the table sequence ", seq, " was swapped out to, got another table");
     const auto& h = host.seqs_[static_cast<size_t>(s.host_seq)];
+    pages_held(caller, seq, h.pages, host.cache_->pool());  // so that release_holder cannot fail
     const int64_t n = static_cast<int64_t>(h.pages.size());
     std::vector<int64_t> pages = cache_->pool().alloc_n(n);
     if (static_cast<int64_t>(pages.size()) != n) return false;
@@ -369,7 +374,7 @@ class SequenceTable {
   /// Frees a holder sequence's pages (called by the table that swapped it out).
   static void release_holder(void* table, int64_t seq) {
     auto* self = static_cast<SequenceTable*>(table);
-    for (int64_t page : self->seqs_[static_cast<size_t>(seq)].pages) self->cache_->pool().free(page);
+    self->cache_->pool().free_all(self->seqs_[static_cast<size_t>(seq)].pages);
     self->retire(seq);
   }
 
@@ -394,6 +399,19 @@ class SequenceTable {
     TORCH_CHECK(!s.swapped, caller, ": argument 'seq' expected a resident sequence, got sequence ", seq,
                 " which is swapped out (call swap_in first)");
     return s;
+  }
+
+  /// Throws unless every page in `pages` (sequence `seq`'s, in `pool`) is
+  /// allocated: an engine that frees a page through the cache while a
+  /// sequence holds it breaks the table's bookkeeping.
+  void pages_held(const checks::Caller& caller, int64_t seq, const std::vector<int64_t>& pages,
+                  const PagePool& pool) const {
+    for (size_t j = 0; j < pages.size(); ++j) {
+      TORCH_CHECK(pool.is_allocated(pages[j]), caller,
+                  ": argument 'seq' expected a sequence whose pages are all allocated, got sequence ", seq,
+                  " whose page ", pages[j], " (its page ", j,
+                  ") is free: it was freed through the cache while the table held it");
+    }
   }
 
   template <class OL>
