@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <random>
 #include <set>
@@ -192,6 +193,24 @@ TEST_P(SequencesTest, ReserveIsAllOrNothing) {
   before.expect_same(table, "reserve short, existing sequence");
   EXPECT_TRUE(table.reserve(b, 3));
   EXPECT_EQ(cache.n_free(), 0);
+}
+
+// Found by fuzz/fuzz_sequences: length + n and the page count rounding
+// overflowed near INT64_MAX, and both calls "succeeded" without pages.
+TEST_P(SequencesTest, HugeTokenCountsAreAShortPoolNotAnOverflow) {
+  auto cache = device_cache(4);
+  SequenceTable<NHD> table(cache);
+  const int64_t s = table.create();
+  append(table, s, range(0, 2));
+  const Snapshot before(table, {s});
+  for (const int64_t n : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::max() - 1,
+                          std::numeric_limits<int64_t>::max() - 2, int64_t{4 * 3 - 1}}) {
+    EXPECT_FALSE(table.prepare_append(s, n)) << n;
+    EXPECT_FALSE(table.reserve(s, n + (n < 100 ? 2 : 0))) << n;  // 13 tokens need 5 pages of 4
+    before.expect_same(table, "n = " + std::to_string(n));
+  }
+  EXPECT_TRUE(table.prepare_append(s, 4 * 3 - 2));  // exactly the pool
+  EXPECT_EQ(table.capacity(s), 12);
 }
 
 TEST_P(SequencesTest, ForkSharesEveryPageAndReleaseUnreferences) {

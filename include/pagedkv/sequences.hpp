@@ -167,6 +167,9 @@ class SequenceTable {
     if (n_tokens == 0) return true;
     PagePool& pool = cache_->pool();
     const int64_t page_size = cache_->page_size();
+    // A sequence's pages are distinct, so it never holds more than the whole
+    // pool (this also keeps length + n_tokens from overflowing).
+    if (n_tokens > cache_->n_pages() * page_size - s.length) return false;
     const int64_t first = s.length / page_size;
     const int64_t end = pages_for(s.length + n_tokens);
     const int64_t have = std::min(end, n_pages(s));
@@ -344,8 +347,10 @@ class SequenceTable {
 
   static int64_t n_pages(const Seq& s) noexcept { return static_cast<int64_t>(s.pages.size()); }
 
+  /// Pages that hold n_tokens >= 0 tokens (no overflow near INT64_MAX).
   int64_t pages_for(int64_t n_tokens) const noexcept {
-    return (n_tokens + cache_->page_size() - 1) / cache_->page_size();
+    const int64_t page_size = cache_->page_size();
+    return n_tokens / page_size + (n_tokens % page_size != 0 ? 1 : 0);
   }
 
   int64_t new_id() {
