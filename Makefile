@@ -26,12 +26,13 @@ example: configure
 	$(BUILD)/examples/attention_loop
 
 # The benchmark suite (bench/, one binary) and its report: a markdown table
-# on stdout, docs/bench.md and docs/bench.png. Debian's python3 has matplotlib.
+# on stdout, docs/bench.md, docs/bench.png and the README's benchmark block.
+# Debian's python3 has matplotlib.
 BENCH_PACKAGES := python3-matplotlib
 bench: configure
 	@./scripts/install-deps $(BENCH_PACKAGES)
 	cmake --build $(BUILD) -j $(JOBS) --target pagedkv_bench
-	/usr/bin/python3 bench/report --binary $(BUILD)/bench/pagedkv_bench
+	/usr/bin/python3 bench/report --binary $(BUILD)/bench/pagedkv_bench --readme README.md
 
 clean:
 	rm -rf $(BUILD)
