@@ -3,7 +3,8 @@
 //
 // CPU: hand-written byte copies (dtype-agnostic), contiguous runs merged
 // into one memcpy, parallel over (sequence, page) work items.
-// Other devices: a device-agnostic ATen path over flattened head rows.
+// Other devices: a device-agnostic ATen path (whole pages for gathers, head
+// rows for writes).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -460,37 +461,57 @@ void write_generic(const PageTableRef<Index>& table, const std::vector<int64_t>&
   v_layer.view({-1, g.head_dim}).index_copy_(0, index, v.reshape({-1, g.head_dim}));
 }
 
-/// Device-agnostic gather: index_select of head rows, index_copy_ into a
-/// zeroed output so that padding and unmapped pages stay zero.
+/// Device-agnostic gather, one index entry per (sequence, page column): the
+/// layer seen as [n_pages, P, H, D] through the layout's strides (so HND
+/// pages come out token-major), index_select of whole pages, then zeros
+/// where a column is unmapped or past a length. Indexing head rows instead
+/// (B*T*H entries built on the host and copied to the device per call) made
+/// it 2.5x slower (bench/NOTES.md, change 10).
 template <class Index>
 std::pair<at::Tensor, at::Tensor> gather_generic(const PageTableRef<Index>& table,
-                                                 const std::vector<int64_t>& lengths, int64_t n_tokens,
+                                                 const std::vector<int64_t>& lengths,  // [B], each <= T
+                                                 int64_t n_tokens,                     // T
                                                  const at::Tensor& k_layer,  // [n_pages, <page>]
                                                  const at::Tensor& v_layer,  // [n_pages, <page>]
                                                  const PageGeometry& g) {
   const int64_t batch = table.rows;
-  at::Tensor k_out = at::zeros({batch * n_tokens * g.n_heads, g.head_dim}, k_layer.options());
-  at::Tensor v_out = at::zeros({batch * n_tokens * g.n_heads, g.head_dim}, v_layer.options());
-  std::vector<int64_t> out_rows;
-  std::vector<int64_t> cache_rows;
+  const int64_t page_size = g.page_size;
+  const int64_t cols = (n_tokens + page_size - 1) / page_size;
+  if (batch == 0 || cols == 0) {
+    return {at::zeros({batch, n_tokens, g.n_heads, g.head_dim}, k_layer.options()),
+            at::zeros({batch, n_tokens, g.n_heads, g.head_dim}, v_layer.options())};
+  }
+  std::vector<int64_t> pages(static_cast<size_t>(batch * cols), 0);  // [B * cols]; 0: any page, masked
+  std::vector<int64_t> valid(static_cast<size_t>(batch * cols), 0);  // [B * cols] leading tokens kept
+  bool masked = false;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t length = std::min(lengths[static_cast<size_t>(b)], n_tokens);
-    for (int64_t t = 0; t < length; ++t) {
-      const int64_t page = table(b, t / g.page_size);
-      if (page == kUnmappedPage) continue;
-      for (int64_t h = 0; h < g.n_heads; ++h) {
-        out_rows.push_back((b * n_tokens + t) * g.n_heads + h);
-        cache_rows.push_back(head_row(g, page, t % g.page_size, h));
+    for (int64_t c = 0; c < cols; ++c) {
+      const auto slot = static_cast<size_t>(b * cols + c);
+      const int64_t page = c * page_size < length ? static_cast<int64_t>(table(b, c)) : kUnmappedPage;
+      if (page != kUnmappedPage) {
+        pages[slot] = page;
+        valid[slot] = std::min(page_size, length - c * page_size);
       }
+      masked |= valid[slot] < std::min(page_size, n_tokens - c * page_size);
     }
   }
-  if (!out_rows.empty()) {
-    const at::Tensor out_index = host_index(out_rows, k_layer.device());
-    const at::Tensor cache_index = host_index(cache_rows, k_layer.device());
-    k_out.index_copy_(0, out_index, k_layer.view({-1, g.head_dim}).index_select(0, cache_index));
-    v_out.index_copy_(0, out_index, v_layer.view({-1, g.head_dim}).index_select(0, cache_index));
+  const at::Device device = k_layer.device();
+  const at::Tensor page_index = host_index(pages, device);
+  at::Tensor zeroed;  // [B, cols * P, 1, 1] bool: positions that read as zeros
+  if (masked) {
+    const at::Tensor offsets = at::arange(page_size, at::TensorOptions().dtype(at::kLong).device(device));
+    zeroed = (offsets.view({1, 1, page_size}) >= host_index(valid, device).view({batch, cols, 1}))
+                 .view({batch, cols * page_size, 1, 1});
   }
-  return {k_out.view({batch, n_tokens, g.n_heads, g.head_dim}), v_out.view({batch, n_tokens, g.n_heads, g.head_dim})};
+  const auto gather_layer = [&](const at::Tensor& layer) {
+    const at::Tensor by_token = layer.as_strided({layer.size(0), page_size, g.n_heads, g.head_dim},
+                                                 {g.page_elems, g.token_stride, g.head_stride, 1});
+    at::Tensor out = by_token.index_select(0, page_index).reshape({batch, cols * page_size, g.n_heads, g.head_dim});
+    if (masked) out.masked_fill_(zeroed, 0);
+    return cols * page_size == n_tokens ? out : out.narrow(1, 0, n_tokens).contiguous();
+  };
+  return {gather_layer(k_layer), gather_layer(v_layer)};
 }
 
 }  // namespace kernels
