@@ -154,7 +154,6 @@ class HierarchicalBitmap {
  private:
   friend struct HierarchicalBitmapTestAccess;  // tests corrupt levels_ to prove audit() sees it
 
-
   void fill_all() {
     int64_t bits_at_level = size_;
     for (auto& level : levels_) {

@@ -115,7 +115,7 @@ class PagePool {
 
   /// Whether `page` is in range and allocated (no throw: for validators).
   bool is_allocated(int64_t page) const noexcept {
-    return page >= 0 && page < n_pages() && refs_[idx(page)] > 0;
+    return in_range(page) && refs_[idx(page)] > 0;
   }
 
   int64_t n_pages() const noexcept { return static_cast<int64_t>(refs_.size()); }
@@ -155,10 +155,11 @@ class PagePool {
   static size_t idx(int64_t page) noexcept { return static_cast<size_t>(page); }
 
   void check_in_range(const char* fn, int64_t page) const {
-    TORCH_CHECK_INDEX(page >= 0 && page < n_pages(), "pagedkv::PagePool::", fn,
+    TORCH_CHECK_INDEX(in_range(page), "pagedkv::PagePool::", fn,
                       ": argument 'page' expected in [0, ", n_pages(), "), got ", page);
   }
 
+  /// 0 <= page < n_pages (a negative id wraps past the end).
   bool in_range(int64_t page) const noexcept { return static_cast<uint64_t>(page) < refs_.size(); }
 
   // Why retain_all / free_all stopped at pages[i] (after undoing their
