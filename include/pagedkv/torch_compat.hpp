@@ -1,0 +1,12 @@
+// Everything that differs between the libtorch versions pagedkv supports:
+// Debian's libtorch 1.13 (the baseline `make test` builds against) and the
+// 2.x inside pip's torch (`make test-torch2`, checked up to 2.15). Code
+// elsewhere never tests a torch version itself: it uses what this header
+// defines, so the next API change is mended here once.
+#pragma once
+
+#include <torch/version.h>  // TORCH_VERSION_MAJOR / _MINOR: in 1.13 and every 2.x
+
+/// True when the libtorch being compiled against is at least major.minor.
+#define PAGEDKV_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
