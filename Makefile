@@ -7,7 +7,7 @@ CMAKE_ARGS ?=
 
 DEBIAN_PACKAGES := cmake g++ make libtorch-dev googletest libgtest-dev libbenchmark-dev python3-torch
 
-.PHONY: deps configure build test example bench clean test-sanitize fuzz lint
+.PHONY: deps configure build test example bench clean test-sanitize fuzz lint test-torch2
 
 deps:
 	@./scripts/install-deps $(DEBIAN_PACKAGES)
@@ -36,6 +36,18 @@ bench: configure
 
 clean:
 	rm -rf $(BUILD)
+
+# ---- torch 2.x (CI runs it after `make test`) ----
+
+# The whole suite (every test, example and benchmark, -Werror) against the
+# libtorch inside pip's torch, installed once into TORCH2_PREFIX and reused
+# while its version matches (scripts/install-torch2). BUILD_TORCH2 keeps it
+# apart from the Debian-libtorch build in $(BUILD).
+TORCH2_VERSION ?= 2.15.0
+TORCH2_PREFIX ?= /opt/pagedkv-torch2
+BUILD_TORCH2 ?= build-torch2
+test-torch2: deps
+	./scripts/test-torch2 $(TORCH2_PREFIX) $(TORCH2_VERSION) $(BUILD_TORCH2) $(JOBS) $(CMAKE_ARGS)
 
 # ---- reliability (CI runs all three after `make test`) ----
 
