@@ -3,16 +3,20 @@
 #include <gtest/gtest.h>
 
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "pagedkv/kernels.hpp"
 #include "pagedkv/layouts.hpp"
+#include "test_support.hpp"
 
 namespace {
 
 using pagedkv::kernels::BlockShape;
 using pagedkv::kernels::BlockStrides;
 using pagedkv::kernels::copy_block;
+using pagedkv_test::all_targets;
+using pagedkv_test::Target;
 
 /// Copies with copy_block and with a naive loop; both must agree byte for byte.
 void check_copy(const BlockShape& shape, const BlockStrides& ds, const BlockStrides& ss, size_t buffer_bytes) {
@@ -55,6 +59,14 @@ TEST(PageGeometry, LayoutsResolveToStrides) {
   EXPECT_EQ(hnd.head_stride, 16 * 128);
   EXPECT_EQ(hnd.page_elems, 16 * 8 * 128);
   EXPECT_EQ(pagedkv::HND::page_shape(16, 8, 128), (std::array<int64_t, 3>{8, 16, 128}));
+}
+
+// ctest lists every device-parametrised test by the name gtest prints for
+// its parameter: the target's name, not a dump of the struct's bytes.
+TEST(TestSupport, TargetsPrintByName) {
+  std::vector<std::string> printed;
+  for (const Target& target : all_targets()) printed.push_back(::testing::PrintToString(target));
+  EXPECT_EQ(printed, (std::vector<std::string>{"cpu", "cpu_generic", "cuda"}));
 }
 
 }  // namespace

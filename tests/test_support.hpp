@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,11 @@ inline std::vector<Target> all_targets() {
 }
 
 inline std::string target_name(const ::testing::TestParamInfo<Target>& info) { return info.param.name; }
+
+/// How gtest prints a Target (found by ADL): its name. Without it gtest
+/// dumps the struct's bytes, and ctest's test names ended in
+/// "# GetParam() = 16-byte object <01-BD ...>".
+inline void PrintTo(const Target& target, std::ostream* os) { *os << target.name; }
 
 /// Skips the calling test when its target's device is missing.
 #define PAGEDKV_SKIP_IF_UNAVAILABLE(target)                                       \
