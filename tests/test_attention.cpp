@@ -55,6 +55,13 @@ double tolerance(at::ScalarType dtype) { return dtype == at::kFloat ? 1e-5 : 2e-
 
 class AttentionTest : public TargetTest {};
 
+/// The instruction sets this machine runs, and `best` (what an engine gets).
+std::vector<pagedkv::attention_kernels::Isa> isas_to_test() {
+  auto isas = pagedkv::attention_kernels::available_isas();
+  isas.push_back(pagedkv::attention_kernels::Isa::best);
+  return isas;
+}
+
 /// A cache holding per-sequence K/V of `lengths` tokens on scattered pages,
 /// and those K/V for the reference.
 template <class L>
@@ -147,8 +154,9 @@ TEST(AttentionKernels, PlanSplitsLongContextsAcrossThreads) {
 TEST_P(AttentionTest, MatchesFloat64ReferenceAcrossShapes) {
   std::mt19937_64 rng(1234);
   uint64_t seed = 1;
-  // The CPU kernel's best instruction set (AVX2 where available) and its portable loops.
-  for (auto isa : {pagedkv::attention_kernels::Isa::best, pagedkv::attention_kernels::Isa::portable}) {
+  // Every instruction set of the CPU kernel this machine runs (portable,
+  // AVX2, AVX-512), and the one it picks by itself.
+  for (auto isa : isas_to_test()) {
     for (at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
       for (int64_t page_size : {1, 3, 16}) {
         for (int64_t group : {1, 4, 8}) {
@@ -171,13 +179,56 @@ TEST_P(AttentionTest, MatchesFloat64ReferenceAcrossShapes) {
               const double err = rel_error(out, reference(q, f.k, f.v, scale));
               EXPECT_LT(err, tolerance(dtype)) << L::name << " " << dtype << " P=" << page_size << " G=" << group
                                                << " Sq=" << n_queries << " index=" << index << " D=" << head_dim
-                                               << " isa=" << static_cast<int>(isa);
+                                               << " isa=" << pagedkv::attention_kernels::isa_name(isa);
               EXPECT_EQ(out.sizes(), q.sizes());
               EXPECT_EQ(out.scalar_type(), dtype);
               EXPECT_EQ(out.device(), q.device());
             });
           }
         }
+      }
+    }
+  }
+}
+
+// Each vector path (AVX2, AVX-512: whichever this CPU has; skipped
+// otherwise) against the portable loops on the same inputs: the same
+// arithmetic in another order, so within float32 rounding of the result.
+// Covers row groups of 1..4 query heads per kv head (G = 1, 2, 3, 5, 8), odd
+// head_dims (the masked / scalar tails), both layouts (in place reads of
+// NHD's strided rows and HND's runs) and every dtype.
+TEST_P(AttentionTest, VectorPathsAgreeWithThePortableLoops) {
+  using pagedkv::attention_kernels::Isa;
+  using pagedkv::attention_kernels::ScopedIsa;
+  const auto isas = pagedkv::attention_kernels::available_isas();
+  if (isas.size() == 1) GTEST_SKIP() << "this CPU runs no vector path (neither AVX2 nor AVX-512)";
+  if (GetParam().backend == pagedkv::Backend::generic || GetParam().device != at::kCPU)
+    GTEST_SKIP() << "the instruction sets are the CPU kernel's";
+  uint64_t seed = 500;
+  for (at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    for (int64_t group : {1, 2, 3, 5, 8}) {
+      for (int64_t head_dim : {16, 20, 40, 128}) {
+        for_each_layout([&](auto layout) {
+          using L = decltype(layout);
+          Filled<L> f({1, 37, 130}, 16, 2, head_dim, opts(dtype), at::kLong, ++seed);
+          const at::Tensor q = at::randn({3, 1, 2 * group, head_dim}, at::kFloat).to(opts(dtype));
+          const auto view = f.cache.bind(f.page_table, f.lengths);
+          at::Tensor portable;
+          {
+            const ScopedIsa scoped(Isa::portable);
+            portable = paged_attention(view, 1, q).to(at::kFloat);
+          }
+          for (Isa isa : isas) {
+            if (isa == Isa::portable) continue;
+            const ScopedIsa scoped(isa);
+            const at::Tensor out = paged_attention(view, 1, q).to(at::kFloat);
+            const double diff = (out - portable).abs().max().item<double>();
+            const double bound = dtype == at::kFloat ? 1e-5 : 1e-2;  // fp16/bf16: one rounding of the output
+            EXPECT_LE(diff, bound * std::max(1.0, portable.abs().max().item<double>()))
+                << pagedkv::attention_kernels::isa_name(isa) << " " << L::name << " " << dtype << " G=" << group
+                << " D=" << head_dim;
+          }
+        });
       }
     }
   }
@@ -218,7 +269,7 @@ TEST_P(AttentionTest, LongContextsSplitAcrossThreadsMatch) {
   // the machine (OpenMP: the thread count may change between regions).
   const int previous = at::get_num_threads();
   at::set_num_threads(4);
-  for (auto isa : {pagedkv::attention_kernels::Isa::best, pagedkv::attention_kernels::Isa::portable}) {
+  for (auto isa : isas_to_test()) {
     const pagedkv::attention_kernels::ScopedIsa scoped_isa(isa);
     for (at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
       for_each_layout([&](auto layout) {

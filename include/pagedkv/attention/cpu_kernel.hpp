@@ -1,0 +1,319 @@
+// The CPU paged-attention kernel. Keys and values are read block by block
+// (kKeyBlock tokens, converted to float32 once per block into per-head runs
+// and shared by every query row of the item), with an online softmax
+// (running max and sum) in float32. The query heads of one kv head are
+// scored and accumulated kRowsAtOnce at a time, so that each key and value
+// vector loaded serves all of them. Work items come from plan.hpp; the
+// arithmetic from the instruction set isa.hpp selects.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "pagedkv/attention/constants.hpp"
+#include "pagedkv/attention/isa.hpp"
+#include "pagedkv/attention/plan.hpp"
+#include "pagedkv/layouts.hpp"
+#include "pagedkv/page_table.hpp"
+
+namespace pagedkv {
+namespace attention_kernels {
+
+/// Raw operands of one call.
+template <class T, class Index>
+struct Problem {
+  PageTableRef<Index> table;  // [B, max_pages]
+  const int64_t* lengths;     // [B]
+  const float* q;             // [B, Sq, n_heads, D], contiguous, pre-scaled
+  T* out;                     // [B, Sq, n_heads, D], contiguous
+  const T* k_pages;           // [n_pages, <page>], one layer
+  const T* v_pages;           // [n_pages, <page>], one layer
+  float* partials;            // [partial_rows, 2 + D]: (max, sum, acc)
+  PageGeometry g;
+  int64_t n_queries;  // Sq
+  int64_t n_heads;    // query heads
+  int64_t group;      // n_heads / n_kv_heads
+};
+
+/// Per-thread buffers, kept between calls (at::parallel_for's threads
+/// persist), so that a decode step allocates nothing per thread. E is the
+/// element the rows point at (RowElement).
+template <class E>
+struct Scratch {
+  std::vector<float> k;          // [heads * kKeyBlock, D] converted keys (E = float copies only)
+  std::vector<float> v;          // [heads * kKeyBlock, D] converted values
+  std::vector<const E*> k_rows;  // [heads, kKeyBlock]: the key of (head, token)
+  std::vector<const E*> v_rows;  // [heads, kKeyBlock]
+  std::vector<float> acc;        // [rows, D]
+  std::vector<float> max;        // [rows]
+  std::vector<float> sum;        // [rows]
+  float scores[kRowsAtOnce * kKeyBlock] = {};  // [kRowsAtOnce, kKeyBlock]
+
+  /// The calling thread's buffers, large enough for the plan.
+  static Scratch& local(int64_t max_rows, int64_t heads, int64_t head_dim, bool copies) {
+    thread_local Scratch scratch;
+    const auto grow = [](auto& buffer, int64_t size) {
+      if (buffer.size() < static_cast<size_t>(size)) buffer.resize(static_cast<size_t>(size));
+    };
+    if (copies) {
+      grow(scratch.k, heads * kKeyBlock * head_dim);
+      grow(scratch.v, heads * kKeyBlock * head_dim);
+    }
+    grow(scratch.k_rows, heads * kKeyBlock);
+    grow(scratch.v_rows, heads * kKeyBlock);
+    grow(scratch.acc, max_rows * head_dim);
+    grow(scratch.max, max_rows);
+    grow(scratch.sum, max_rows);
+    return scratch;
+  }
+};
+
+/// Whether the kernel reads this call's pages in place (E = T) rather than
+/// float32 copies of each block (E = float): always on the vector paths,
+/// which convert as they load; on the portable path only for a float32
+/// cache whose head's tokens are contiguous (HND), which needs no copy.
+/// In place saves the block's conversion pass and its round trip through
+/// L2 (the copies of 8 heads x 32 tokens x 128 floats, K and V, are
+/// 256 KiB): bench/NOTES.md, "attention".
+template <class Ops, class T>
+bool reads_in_place(const PageGeometry& g) {
+  const bool head_major = g.token_stride == g.head_dim;
+  return Ops::kReadsPagesDirectly || (head_major && std::is_same<T, float>::value);
+}
+
+/// What the rows of a block point at: the pages' own elements, or float32
+/// copies of them (kCopies).
+template <bool kCopies, class T>
+using RowElement = typename std::conditional<kCopies, float, T>::type;
+
+/// Points rows[h * kKeyBlock + j] at the vector of kv head h0 + h, token
+/// t0 + j: into the pages, or (kCopies) at float32 copies in `buffer`, laid
+/// out [head, token, D] so that one head's keys are adjacent (NHD rows a
+/// token apart would alias in the L1 cache: a 4 KiB stride for 8 heads x
+/// 128 x fp32).
+template <class Ops, bool kCopies, class T, class Index>
+void load_block(const Problem<T, Index>& pr, const T* pages, int64_t b, int64_t h0, int64_t nh, int64_t t0, int64_t n,
+                float* buffer,  // [nh, kKeyBlock, D], for copies
+                const RowElement<kCopies, T>** rows) {
+  const PageGeometry& g = pr.g;
+  const int64_t D = g.head_dim;
+  for (int64_t t = t0; t < t0 + n;) {
+    const int64_t in_page = t % g.page_size;
+    const int64_t run = std::min(t0 + n - t, g.page_size - in_page);  // tokens of this page in the block
+    const T* page = pages + pr.table(b, t / g.page_size) * g.page_elems;
+    const int64_t j0 = t - t0;
+    for (int64_t j = 0; j < run; ++j) {
+      for (int64_t h = 0; h < nh; ++h) {
+        const T* src = page + g.offset(in_page + j, h0 + h);
+        if constexpr (kCopies) {
+          float* dst = buffer + (h * kKeyBlock + j0 + j) * D;
+          Ops::to_float(src, dst, D);
+          rows[h * kKeyBlock + j0 + j] = dst;
+        } else {
+          rows[h * kKeyBlock + j0 + j] = src;
+        }
+      }
+    }
+    t += run;
+  }
+}
+
+/// Writes one finished row: out = acc / sum.
+template <class T>
+void store_row(T* out,            // [D]
+               const float* acc,  // [D]
+               float sum, int64_t head_dim) {
+  const float inv = 1.0f / sum;
+  for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<T>(acc[d] * inv);
+}
+
+/// One work item: online softmax over keys [t0, t1), float32 state per row.
+/// Row r = ((s - s0) * nh + h) * G + i is query head (h0 + h) * G + i of query s.
+template <class Ops, bool kCopies, class T, class Index>
+void run_item(const Problem<T, Index>& pr, const Work& w, Scratch<RowElement<kCopies, T>>& sc) {
+  const int64_t D = pr.g.head_dim;
+  const int64_t G = pr.group;
+  const int64_t rows = (w.s1 - w.s0) * w.nh * G;
+  const int64_t first_pos = pr.lengths[w.b] - pr.n_queries;
+  float* acc_all = sc.acc.data();
+  float* max = sc.max.data();
+  float* sum = sc.sum.data();
+  std::fill(max, max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(sum, sum + rows, 0.0f);
+  std::fill(acc_all, acc_all + rows * D, 0.0f);
+
+  for (int64_t t0 = w.t0; t0 < w.t1; t0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, w.t1 - t0);
+    load_block<Ops, kCopies>(pr, pr.k_pages, w.b, w.h0, w.nh, t0, n, sc.k.data(), sc.k_rows.data());
+    load_block<Ops, kCopies>(pr, pr.v_pages, w.b, w.h0, w.nh, t0, n, sc.v.data(), sc.v_rows.data());
+    for (int64_t s = w.s0; s < w.s1; ++s) {
+      // Causal: query s (at position first_pos + s) sees keys <= its position.
+      const int64_t visible = std::min(n, first_pos + s + 1 - t0);
+      if (visible <= 0) continue;
+      for (int64_t h = 0; h < w.nh; ++h) {
+        const auto* const* keys = sc.k_rows.data() + h * kKeyBlock;
+        const auto* const* values = sc.v_rows.data() + h * kKeyBlock;
+        // The G query heads of kv head h, up to kRowsAtOnce at a time: each
+        // key and value vector is loaded once for all of them.
+        for (int64_t i0 = 0; i0 < G; i0 += kRowsAtOnce) {
+          const int rows = static_cast<int>(std::min<int64_t>(kRowsAtOnce, G - i0));
+          const int64_t r0 = ((s - w.s0) * w.nh + h) * G + i0;
+          const float* q[kRowsAtOnce];
+          float* acc[kRowsAtOnce];
+          for (int i = 0; i < rows; ++i) {
+            q[i] = pr.q + ((w.b * pr.n_queries + s) * pr.n_heads + (w.h0 + h) * G + i0 + i) * D;
+            acc[i] = acc_all + (r0 + i) * D;
+          }
+          Ops::scores(q, rows, keys, visible, D, sc.scores);
+          for (int i = 0; i < rows; ++i) {
+            float* scores = sc.scores + i * kKeyBlock;
+            const int64_t r = r0 + i;
+            const float block_max = *std::max_element(scores, scores + visible);
+            if (block_max > max[r]) {
+              const float correction = std::exp(max[r] - block_max);  // 0 on the first block
+              sum[r] *= correction;
+              Ops::scale(acc[i], correction, D);
+              max[r] = block_max;
+            }
+            sum[r] += Ops::exp_sum(scores, visible, max[r]);
+          }
+          Ops::accumulate(acc, rows, values, sc.scores, visible, D);
+        }
+      }
+    }
+  }
+
+  for (int64_t s = w.s0; s < w.s1; ++s) {
+    for (int64_t h = 0; h < w.nh; ++h) {
+      for (int64_t i = 0; i < G; ++i) {
+        const int64_t r = ((s - w.s0) * w.nh + h) * G + i;
+        const float* acc = acc_all + r * D;
+        if (w.partial < 0) {
+          store_row(pr.out + ((w.b * pr.n_queries + s) * pr.n_heads + (w.h0 + h) * G + i) * D, acc, sum[r], D);
+        } else {
+          float* dst = pr.partials + (w.partial + r) * (D + 2);
+          dst[0] = max[r];
+          dst[1] = sum[r];
+          std::copy(acc, acc + D, dst + 2);
+        }
+      }
+    }
+  }
+}
+
+/// Work items [begin, end) on the calling thread, with its scratch.
+template <class Ops, bool kCopies, class T, class Index>
+void run_items_reading(const Problem<T, Index>& pr, const Plan& p, int64_t begin, int64_t end) {
+  auto& sc = Scratch<RowElement<kCopies, T>>::local(p.max_rows, p.heads, pr.g.head_dim, kCopies);
+  for (int64_t i = begin; i < end; ++i) run_item<Ops, kCopies>(pr, p.work[static_cast<size_t>(i)], sc);
+}
+
+template <class Ops, class T, class Index>
+void run_items(const Problem<T, Index>& pr, const Plan& p, int64_t begin, int64_t end) {
+  if constexpr (Ops::kReadsPagesDirectly) {
+    run_items_reading<Ops, false>(pr, p, begin, end);
+  } else if constexpr (std::is_same<T, float>::value) {
+    if (reads_in_place<Ops, T>(pr.g)) return run_items_reading<Ops, false>(pr, p, begin, end);
+    run_items_reading<Ops, true>(pr, p, begin, end);
+  } else {
+    run_items_reading<Ops, true>(pr, p, begin, end);
+  }
+}
+
+// The vector instantiations, each compiled for its target: `flatten` inlines
+// the whole item loop there, so every helper is generated for that target.
+#ifdef PAGEDKV_ATTENTION_AVX2
+template <class T, class Index>
+PAGEDKV_TARGET_AVX2 __attribute__((flatten)) void run_items_avx2(const Problem<T, Index>& pr, const Plan& p,
+                                                                   int64_t begin, int64_t end) {
+  run_items<Avx2>(pr, p, begin, end);
+}
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX512
+template <class T, class Index>
+PAGEDKV_TARGET_AVX512 __attribute__((flatten)) void run_items_avx512(const Problem<T, Index>& pr, const Plan& p,
+                                                                       int64_t begin, int64_t end) {
+  run_items<Avx512>(pr, p, begin, end);
+}
+#endif
+
+/// Runs work items [begin, end) with the instruction set `isa`.
+template <class T, class Index>
+void run_items_with(Isa isa, const Problem<T, Index>& pr, const Plan& p, int64_t begin, int64_t end) {
+  switch (isa) {
+#ifdef PAGEDKV_ATTENTION_AVX512
+    case Isa::avx512: return run_items_avx512(pr, p, begin, end);
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX2
+    case Isa::avx2: return run_items_avx2(pr, p, begin, end);
+#endif
+    default: return run_items<Portable>(pr, p, begin, end);
+  }
+}
+
+/// Merges the splits of one tile into the output.
+template <class T, class Index>
+void merge_tile(const Problem<T, Index>& pr, const SplitTile& t, float* acc /* [D] */) {
+  const int64_t D = pr.g.head_dim;
+  const int64_t G = pr.group;
+  const int64_t rows = (t.s1 - t.s0) * t.nh * G;
+  const int64_t row_floats = D + 2;
+  for (int64_t s = t.s0; s < t.s1; ++s) {
+    for (int64_t h = 0; h < t.nh; ++h) {
+      for (int64_t i = 0; i < G; ++i) {
+        const int64_t r = ((s - t.s0) * t.nh + h) * G + i;
+        const float* first = pr.partials + (t.partial + r) * row_floats;
+        const int64_t split_stride = rows * row_floats;
+        float max = -std::numeric_limits<float>::infinity();
+        for (int64_t k = 0; k < t.n_splits; ++k) max = std::max(max, first[k * split_stride]);
+        float sum = 0.0f;
+        std::fill(acc, acc + D, 0.0f);
+        for (int64_t k = 0; k < t.n_splits; ++k) {
+          const float* part = first + k * split_stride;
+          if (part[1] == 0.0f) continue;  // a split past this query's position
+          const float weight = std::exp(part[0] - max);
+          sum += part[1] * weight;
+          const float* __restrict src = part + 2;
+          for (int64_t d = 0; d < D; ++d) acc[d] += weight * src[d];
+        }
+        store_row(pr.out + ((t.b * pr.n_queries + s) * pr.n_heads + (t.h0 + h) * G + i) * D, acc, sum, D);
+      }
+    }
+  }
+}
+
+/// The CPU kernel. Inputs are validated: lengths[b] >= Sq >= 1 and every
+/// page holding [0, lengths[b]) is mapped and allocated.
+template <class T, class Index>
+void paged_attention_cpu_impl(const PageTableRef<Index>& table,     // [B, max_pages]
+                              const std::vector<int64_t>& lengths,  // [B]
+                              const float* q,                       // [B, Sq, n_heads, D], contiguous, pre-scaled
+                              T* out,                               // [B, Sq, n_heads, D], contiguous
+                              const T* k_pages,                     // [n_pages, <page>], one layer
+                              const T* v_pages,                     // [n_pages, <page>], one layer
+                              const PageGeometry& g, int64_t n_queries, int64_t n_heads) {
+  const int64_t group = n_heads / g.n_heads;
+  const Plan p = plan(lengths, n_queries, group, g.n_heads, at::get_num_threads());
+  std::vector<float> partials(static_cast<size_t>(p.partial_rows * (g.head_dim + 2)));
+  const Problem<T, Index> pr{table, lengths.data(), q, out, k_pages, v_pages, partials.data(),
+                             g,     n_queries,      n_heads, group};
+  const Isa isa = selected_isa();  // decided on the calling thread (ScopedIsa is per thread)
+  at::parallel_for(0, static_cast<int64_t>(p.work.size()), 1, [&](int64_t begin, int64_t end) {
+    run_items_with(isa, pr, p, begin, end);
+  });
+  if (p.split.empty()) return;
+  at::parallel_for(0, static_cast<int64_t>(p.split.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(static_cast<size_t>(g.head_dim));
+    for (int64_t i = begin; i < end; ++i) merge_tile(pr, p.split[static_cast<size_t>(i)], acc.data());
+  });
+}
+
+}  // namespace attention_kernels
+}  // namespace pagedkv

@@ -1,0 +1,55 @@
+// paged_attention on any device: gather, then a causal masked softmax with
+// ATen ops in float32. CUDA caches take it; ScopedBackend forces it on the
+// CPU for tests.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "pagedkv/kernels.hpp"
+#include "pagedkv/layouts.hpp"
+#include "pagedkv/page_table.hpp"
+
+namespace pagedkv {
+namespace attention_kernels {
+
+/// Device-agnostic path: gather [B, T, H, D], then a causal masked softmax
+/// in float32 with ATen ops. Same results as the CPU kernel.
+template <class Index>
+at::Tensor paged_attention_generic(const PageTableRef<Index>& table,     // [B, max_pages]
+                                   const std::vector<int64_t>& lengths,  // [B]
+                                   const at::Tensor& q,                  // [B, Sq, n_heads, D]
+                                   const at::Tensor& k_layer,            // [n_pages, <page>]
+                                   const at::Tensor& v_layer,            // [n_pages, <page>]
+                                   const PageGeometry& g, double scale) {
+  const int64_t batch = q.size(0), n_queries = q.size(1), n_heads = q.size(2), D = q.size(3);
+  const int64_t group = n_heads / g.n_heads;
+  const int64_t n_tokens = *std::max_element(lengths.begin(), lengths.end());
+  const auto kv = kernels::gather_generic(table, lengths, n_tokens, k_layer, v_layer, g);  // [B, T, H, D]
+  const at::Tensor k = kv.first.to(at::kFloat).permute({0, 2, 3, 1});                     // [B, H, D, T]
+  const at::Tensor v = kv.second.to(at::kFloat).permute({0, 2, 1, 3});                    // [B, H, T, D]
+  // Query rows (s, g) of each kv head h: [B, H, Sq * G, D].
+  const at::Tensor qf = q.to(at::kFloat).reshape({batch, n_queries, g.n_heads, group, D}).permute({0, 2, 1, 3, 4})
+                            .reshape({batch, g.n_heads, n_queries * group, D});
+  at::Tensor scores = at::matmul(qf, k).mul_(scale).view({batch, g.n_heads, n_queries, group, n_tokens});
+  // Query s of sequence b sits at lengths[b] - Sq + s and sees positions <= it.
+  const at::Tensor positions = at::arange(n_tokens, q.options().dtype(at::kLong));               // [T]
+  const at::Tensor last = kernels::host_index(lengths, q.device()).view({batch, 1}) - n_queries +
+                          at::arange(n_queries, q.options().dtype(at::kLong)).view({1, n_queries});  // [B, Sq]
+  const at::Tensor hidden = positions.view({1, 1, n_tokens}).gt(last.unsqueeze(2));              // [B, Sq, T]
+  scores.masked_fill_(hidden.view({batch, 1, n_queries, 1, n_tokens}), -std::numeric_limits<double>::infinity());
+  const at::Tensor probs = at::softmax(scores, -1).view({batch, g.n_heads, n_queries * group, n_tokens});
+  const at::Tensor out = at::matmul(probs, v);  // [B, H, Sq * G, D]
+  return out.view({batch, g.n_heads, n_queries, group, D})
+      .permute({0, 2, 1, 3, 4})
+      .reshape({batch, n_queries, n_heads, D})
+      .to(q.scalar_type())
+      .contiguous();
+}
+
+}  // namespace attention_kernels
+}  // namespace pagedkv

@@ -1,0 +1,98 @@
+// Which instruction set the CPU attention kernel runs: the best this CPU
+// has (AVX-512, else AVX2/FMA/F16C, else portable loops), checked once at
+// run time, or one chosen for the calling thread (ScopedIsa: tests compare
+// every path the machine has against the portable one).
+#pragma once
+
+#include <vector>
+
+#include "pagedkv/attention/isa_avx2.hpp"
+#include "pagedkv/attention/isa_avx512.hpp"
+#include "pagedkv/attention/isa_portable.hpp"
+
+#ifdef PAGEDKV_ATTENTION_AVX2
+#include <cpuid.h>
+#endif
+
+namespace pagedkv {
+namespace attention_kernels {
+
+enum class Isa { best, portable, avx2, avx512 };
+
+/// Whether this CPU (and its OS) runs the Avx2 path.
+inline bool cpu_has_avx2() {
+#ifdef PAGEDKV_ATTENTION_AVX2
+  // F16C through cpuid: clang (14) rejects __builtin_cpu_supports("f16c").
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
+/// Whether this CPU (and its OS) runs the Avx512 path.
+inline bool cpu_has_avx512() {
+#ifdef PAGEDKV_ATTENTION_AVX512
+  static const bool has = cpu_has_avx2() && __builtin_cpu_supports("avx512f");
+  return has;
+#else
+  return false;
+#endif
+}
+
+/// Whether this CPU runs `isa` (best and portable run everywhere).
+inline bool cpu_runs(Isa isa) {
+  switch (isa) {
+    case Isa::avx2: return cpu_has_avx2();
+    case Isa::avx512: return cpu_has_avx512();
+    default: return true;
+  }
+}
+
+/// Every path this CPU runs, portable first.
+inline std::vector<Isa> available_isas() {
+  std::vector<Isa> isas{Isa::portable};
+  for (Isa isa : {Isa::avx2, Isa::avx512})
+    if (cpu_runs(isa)) isas.push_back(isa);
+  return isas;
+}
+
+inline const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::portable: return "portable";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+    default: return "best";
+  }
+}
+
+inline Isa& isa_override() noexcept {
+  thread_local Isa isa = Isa::best;
+  return isa;
+}
+
+/// The path the calling thread's kernels take: its ScopedIsa (when the CPU
+/// runs it; portable otherwise), else the best the CPU has.
+inline Isa selected_isa() {
+  const Isa wanted = isa_override();
+  if (wanted == Isa::best) return cpu_has_avx512() ? Isa::avx512 : cpu_has_avx2() ? Isa::avx2 : Isa::portable;
+  return cpu_runs(wanted) ? wanted : Isa::portable;
+}
+
+/// Sets the CPU kernel's instruction set for the calling thread, for one scope.
+class ScopedIsa {
+ public:
+  explicit ScopedIsa(Isa isa) : previous_(isa_override()) { isa_override() = isa; }
+  ~ScopedIsa() { isa_override() = previous_; }
+  ScopedIsa(const ScopedIsa&) = delete;
+  ScopedIsa& operator=(const ScopedIsa&) = delete;
+
+ private:
+  Isa previous_;
+};
+
+}  // namespace attention_kernels
+}  // namespace pagedkv

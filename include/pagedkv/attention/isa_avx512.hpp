@@ -1,0 +1,258 @@
+// The attention kernel's arithmetic with AVX-512F intrinsics, 16 floats per
+// instruction. Like Avx2 it reads keys and values straight from the pages
+// (float32, fp16 or bf16), converting as it loads. Compiled for that target
+// alone (PAGEDKV_TARGET_AVX512) and chosen at run time by isa.hpp on CPUs
+// that have it. Same results as Portable within float rounding.
+#pragma once
+
+#include "pagedkv/attention/isa_avx2.hpp"
+
+#ifdef PAGEDKV_ATTENTION_AVX2  // x86-64 with g++ or clang: AVX-512 intrinsics exist too
+#define PAGEDKV_ATTENTION_AVX512 1
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "pagedkv/attention/constants.hpp"
+#include "pagedkv/attention/convert.hpp"
+
+#define PAGEDKV_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+
+// g++ 12 reports "'__Y' may be used uninitialized" inside its own
+// avx512fintrin.h wherever an intrinsic built on _mm512_undefined_*() is
+// inlined (GCC bug 105593, fixed in g++ 13): a false positive that -Werror
+// builds of engines would fail on.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#define PAGEDKV_AVX512_DIAGNOSTICS_PUSHED 1
+#endif
+
+namespace pagedkv {
+namespace attention_kernels {
+
+struct Avx512 {
+  /// scores and accumulate read the pages' own elements.
+  static constexpr bool kReadsPagesDirectly = true;
+
+  /// out[r * kKeyBlock + j] = dot(q[r], keys[j]) for rows <= kRowsAtOnce:
+  /// each key vector loaded (and converted) once serves every row.
+  template <class E>
+  PAGEDKV_TARGET_AVX512 static void scores(const float* const* q,  // rows x [D]
+                                           int rows,
+                                           const E* const* keys,   // n x [D]
+                                           int64_t n, int64_t head_dim,
+                                           float* out) noexcept {  // [rows, kKeyBlock]
+    switch (rows) {
+      case 4: return scores_rows<4>(q, keys, n, head_dim, out);
+      case 3: return scores_rows<3>(q, keys, n, head_dim, out);
+      case 2: return scores_rows<2>(q, keys, n, head_dim, out);
+      default: return scores_rows<1>(q, keys, n, head_dim, out);
+    }
+  }
+
+  /// scores[j] = exp(scores[j] - max); returns their sum.
+  PAGEDKV_TARGET_AVX512 static float exp_sum(float* scores,  // [n]
+                                             int64_t n, float max) noexcept {
+    const __m512 m = _mm512_set1_ps(max);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m512 e = exp_non_positive(_mm512_sub_ps(_mm512_loadu_ps(scores + j), m));
+      _mm512_storeu_ps(scores + j, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    if (j < n) {
+      const __mmask16 lanes = first_lanes(n - j);
+      const __m512 e = exp_non_positive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + j), m));
+      _mm512_mask_storeu_ps(scores + j, lanes, e);
+      acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(lanes, e));
+    }
+    return horizontal_sum(acc);
+  }
+
+  /// acc[r] += sum_j p[r * kKeyBlock + j] * v[j] for rows <= kRowsAtOnce:
+  /// each value vector loaded (and converted) once serves every row.
+  template <class E>
+  PAGEDKV_TARGET_AVX512 static void accumulate(float* const* acc,  // rows x [D]
+                                               int rows,
+                                               const E* const* v,  // n x [D]
+                                               const float* p,     // [rows, kKeyBlock]
+                                               int64_t n, int64_t head_dim) noexcept {
+    switch (rows) {
+      case 4: return accumulate_rows<4>(acc, v, p, n, head_dim);
+      case 3: return accumulate_rows<3>(acc, v, p, n, head_dim);
+      case 2: return accumulate_rows<2>(acc, v, p, n, head_dim);
+      default: return accumulate_rows<1>(acc, v, p, n, head_dim);
+    }
+  }
+
+  PAGEDKV_TARGET_AVX512 static void scale(float* row,  // [n]
+                                          float factor, int64_t n) noexcept {
+    const __m512 f = _mm512_set1_ps(factor);
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16) _mm512_storeu_ps(row + d, _mm512_mul_ps(f, _mm512_loadu_ps(row + d)));
+    if (d < n) {
+      const __mmask16 lanes = first_lanes(n - d);
+      _mm512_mask_storeu_ps(row + d, lanes, _mm512_mul_ps(f, _mm512_maskz_loadu_ps(lanes, row + d)));
+    }
+  }
+
+ private:
+  /// The first `count` (1..16) lanes.
+  static __mmask16 first_lanes(int64_t count) noexcept {
+    return static_cast<__mmask16>((1u << static_cast<unsigned>(count)) - 1u);
+  }
+
+  // 16 elements as float32.
+  PAGEDKV_TARGET_AVX512 static __m512 load16(const float* p) noexcept { return _mm512_loadu_ps(p); }
+  PAGEDKV_TARGET_AVX512 static __m512 load16(const c10::Half* p) noexcept {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  PAGEDKV_TARGET_AVX512 static __m512 load16(const c10::BFloat16* p) noexcept {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  /// `count` (< 16) elements as float32, zeros after (the tail of an odd head_dim).
+  template <class E>
+  PAGEDKV_TARGET_AVX512 static __m512 load_first(const E* p, int64_t count) noexcept {
+    alignas(64) float buffer[16] = {};
+    for (int64_t i = 0; i < count; ++i) buffer[i] = to_float32(p[i]);
+    return _mm512_load_ps(buffer);
+  }
+
+  PAGEDKV_TARGET_AVX512 static __m256 fold(__m512 x) noexcept {
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  }
+
+  PAGEDKV_TARGET_AVX512 static float horizontal_sum(__m512 x) noexcept {
+    const __m256 y = fold(x);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
+
+  /// [sum(s0), sum(s1), sum(s2), sum(s3)].
+  PAGEDKV_TARGET_AVX512 static __m128 sum4(__m512 s0, __m512 s1, __m512 s2, __m512 s3) noexcept {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(s0), fold(s1)), _mm256_hadd_ps(fold(s2), fold(s3)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  }
+
+  /// exp(x) for x <= 0: Avx2::exp_non_positive's polynomial, 16 lanes.
+  PAGEDKV_TARGET_AVX512 static __m512 exp_non_positive(__m512 x) noexcept {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln2, ln2 in two parts
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(two_n));
+  }
+
+  /// Scores of R rows against K keys starting at keys[0]: R x K independent
+  /// FMA chains over head_dim, then out[r * kKeyBlock + k].
+  template <int R, int K, class E>
+  PAGEDKV_TARGET_AVX512 static void score_keys(const float* const* q,  // R x [D]
+                                               const E* const* keys,   // K x [D]
+                                               int64_t head_dim, float* out) noexcept {
+    __m512 acc[K][4];
+    for (int k = 0; k < K; ++k)
+      for (int r = 0; r < 4; ++r) acc[k][r] = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 <= head_dim; d += 16) {
+      for (int k = 0; k < K; ++k) {
+        const __m512 key = load16(keys[k] + d);
+        for (int r = 0; r < R; ++r) acc[k][r] = _mm512_fmadd_ps(key, _mm512_loadu_ps(q[r] + d), acc[k][r]);
+      }
+    }
+    if (d < head_dim) {
+      const __mmask16 lanes = first_lanes(head_dim - d);
+      for (int k = 0; k < K; ++k) {
+        const __m512 key = load_first(keys[k] + d, head_dim - d);
+        for (int r = 0; r < R; ++r)
+          acc[k][r] = _mm512_fmadd_ps(key, _mm512_maskz_loadu_ps(lanes, q[r] + d), acc[k][r]);
+      }
+    }
+    alignas(16) float sums[4];
+    if constexpr (R == 1 && K == 4) {  // four keys of one row at once
+      _mm_store_ps(sums, sum4(acc[0][0], acc[1][0], acc[2][0], acc[3][0]));
+      for (int k = 0; k < K; ++k) out[k] = sums[k];
+    } else {
+      for (int k = 0; k < K; ++k) {
+        _mm_store_ps(sums, sum4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]));
+        for (int r = 0; r < R; ++r) out[r * kKeyBlock + k] = sums[r];
+      }
+    }
+  }
+
+  template <int R, class E>
+  PAGEDKV_TARGET_AVX512 static void scores_rows(const float* const* q,  // R x [D]
+                                                const E* const* keys,   // n x [D]
+                                                int64_t n, int64_t head_dim,
+                                                float* out) noexcept {  // [R, kKeyBlock]
+    constexpr int kKeys = R == 1 ? 4 : 2;  // keys per pass: enough independent chains
+    int64_t j = 0;
+    for (; j + kKeys <= n; j += kKeys) score_keys<R, kKeys>(q, keys + j, head_dim, out + j);
+    for (; j < n; ++j) score_keys<R, 1>(q, keys + j, head_dim, out + j);
+  }
+
+  template <int R, class E>
+  PAGEDKV_TARGET_AVX512 static void accumulate_rows(float* const* acc,  // R x [D]
+                                                    const E* const* v,  // n x [D]
+                                                    const float* p,     // [R, kKeyBlock]
+                                                    int64_t n, int64_t head_dim) noexcept {
+    int64_t d = 0;
+    for (; d + 32 <= head_dim; d += 32) {  // two chains per row
+      __m512 a[R], b[R];
+      for (int r = 0; r < R; ++r) {
+        a[r] = _mm512_loadu_ps(acc[r] + d);
+        b[r] = _mm512_loadu_ps(acc[r] + d + 16);
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 v0 = load16(v[j] + d);
+        const __m512 v1 = load16(v[j] + d + 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512 pj = _mm512_set1_ps(p[r * kKeyBlock + j]);
+          a[r] = _mm512_fmadd_ps(pj, v0, a[r]);
+          b[r] = _mm512_fmadd_ps(pj, v1, b[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        _mm512_storeu_ps(acc[r] + d, a[r]);
+        _mm512_storeu_ps(acc[r] + d + 16, b[r]);
+      }
+    }
+    for (; d < head_dim; d += 16) {  // 16 lanes, or fewer at the end
+      const int64_t count = head_dim - d < 16 ? head_dim - d : 16;
+      const __mmask16 lanes = first_lanes(count);
+      __m512 a[R];
+      for (int r = 0; r < R; ++r) a[r] = _mm512_maskz_loadu_ps(lanes, acc[r] + d);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 v0 = count == 16 ? load16(v[j] + d) : load_first(v[j] + d, count);
+        for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kKeyBlock + j]), v0, a[r]);
+      }
+      for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(acc[r] + d, lanes, a[r]);
+    }
+  }
+};
+
+}  // namespace attention_kernels
+}  // namespace pagedkv
+
+#ifdef PAGEDKV_AVX512_DIAGNOSTICS_PUSHED
+#pragma GCC diagnostic pop
+#undef PAGEDKV_AVX512_DIAGNOSTICS_PUSHED
+#endif
+
+#endif  // PAGEDKV_ATTENTION_AVX2
