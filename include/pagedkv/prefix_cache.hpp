@@ -198,6 +198,9 @@ class PrefixCache final : private PageReclaimer {
     pool().retain_all(fresh);  // the cache's references; all or nothing
     // From here on nothing throws (capacity is reserved).
     for (int64_t j = 0; j < n; ++j) {
+      // The index slots are random accesses into a table of megabytes: ask
+      // for the one kPrefetch pages ahead while this one is registered.
+      if (j + kPrefetch < n) prefetch_slot(hashes[static_cast<size_t>(j + kPrefetch)]);
       int32_t& x = chain[static_cast<size_t>(j)];
       if (x != kNone) continue;
       x = add_node(held[static_cast<size_t>(j)], j == 0 ? kNone : chain[static_cast<size_t>(j - 1)], salt,
@@ -334,6 +337,7 @@ class PrefixCache final : private PageReclaimer {
   friend struct PrefixCacheTestAccess;  // tests inject a constant hash to prove tokens are compared
 
   static constexpr int32_t kNone = -1;
+  static constexpr int kPrefetch = 8;  // pages ahead (a miss is ~100 ns, a page's work ~20 ns)
 
   struct Node {
     uint64_t hash = 0;
@@ -434,6 +438,8 @@ class PrefixCache final : private PageReclaimer {
     mask_ = mask;
   }
 
+  void prefetch_slot(uint64_t h) const noexcept { __builtin_prefetch(&slots_[h & mask_]); }
+
   void index_insert(uint64_t h, int32_t x) noexcept {
     size_t i = h & mask_;
     while (slots_[i].node != kNone) i = (i + 1) & mask_;
@@ -514,7 +520,13 @@ class PrefixCache final : private PageReclaimer {
   /// its parent evictable, and the parent is more recent, so the walk meets it.
   int64_t evict_lru(int64_t n_pages) noexcept {
     int64_t freed = 0;
+    int32_t ahead = oldest_;  // kPrefetch nodes ahead of x: its index slot is fetched early
+    for (int i = 0; i < kPrefetch && ahead != kNone; ++i) ahead = nodes_[static_cast<size_t>(ahead)].newer;
     for (int32_t x = oldest_; x != kNone && freed < n_pages;) {
+      if (ahead != kNone) {
+        prefetch_slot(nodes_[static_cast<size_t>(ahead)].hash);
+        ahead = nodes_[static_cast<size_t>(ahead)].newer;
+      }
       const int32_t next = nodes_[static_cast<size_t>(x)].newer;
       if (nodes_[static_cast<size_t>(x)].evictable) {
         remove(x);
