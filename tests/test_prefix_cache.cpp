@@ -490,9 +490,10 @@ TEST(PrefixCache, BadInputThrowsNamingTheArgumentAndChangesNothing) {
   const int64_t cached = prefix.n_cached();
   const auto fn = [](const char* f) { return std::string("pagedkv::PrefixCache<NHD>::") + f; };
 
-  const at::Tensor bad_tokens[] = {ints(prompt).view({2, 4}), ints(prompt).to(at::kFloat), at::Tensor()};
-  const char* bad_what[] = {"expected 1-D", "expected dtype int32 or int64", "expected a tensor"};
-  for (size_t i = 0; i < 3; ++i) {
+  const at::Tensor bad_tokens[] = {ints(prompt).view({2, 4}), ints(prompt).to(at::kFloat), at::Tensor(),
+                                   at::empty({8}, at::TensorOptions().dtype(at::kLong).device(at::kMeta))};
+  const char* bad_what[] = {"expected 1-D", "expected dtype int32 or int64", "expected a tensor", "expected on cpu"};
+  for (size_t i = 0; i < 4; ++i) {
     expect_error([&] { prefix.peek(bad_tokens[i]); }, {fn("peek"), "argument 'tokens'", bad_what[i]});
     expect_error([&] { prefix.acquire(bad_tokens[i]); }, {fn("acquire"), "argument 'tokens'", bad_what[i]});
     expect_error([&] { prefix.insert(a.first, bad_tokens[i]); }, {fn("insert"), "argument 'tokens'", bad_what[i]});
