@@ -59,22 +59,26 @@ test-sanitize: deps
 	cmake --build --preset sanitize -j $(JOBS)
 	ctest --preset sanitize -j $(JOBS)
 
-# libFuzzer on the two operation-script harnesses (fuzz/), each FUZZ_SECONDS
+# libFuzzer on the three operation-script harnesses (fuzz/), each FUZZ_SECONDS
 # long: fuzz_paged_cache from the committed seeds in fuzz/corpus/ (new inputs
 # go to fuzz/corpus-run/, a crashing input to build-fuzz/crash-*), then
 # fuzz_sequences (SequenceTable) from fuzz/corpus-sequences/ (new inputs go to
-# fuzz/corpus-sequences-run/, a crashing input to build-fuzz/sequences-crash-*).
+# fuzz/corpus-sequences-run/, a crashing input to build-fuzz/sequences-crash-*),
+# then fuzz_prefix (PrefixCache) from fuzz/corpus-prefix/ (new inputs go to
+# fuzz/corpus-prefix-run/, a crashing input to build-fuzz/prefix-crash-*).
 FUZZ_SECONDS ?= 60
 FUZZ_PACKAGES := cmake make clang-14 libclang-rt-14-dev libtorch-dev
 fuzz:
 	@./scripts/install-deps $(FUZZ_PACKAGES)
 	cmake -S fuzz -B build-fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo
 	cmake --build build-fuzz -j $(JOBS)
-	mkdir -p fuzz/corpus-run fuzz/corpus-sequences-run
+	mkdir -p fuzz/corpus-run fuzz/corpus-sequences-run fuzz/corpus-prefix-run
 	build-fuzz/fuzz_paged_cache -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/ fuzz/corpus-run fuzz/corpus
 	build-fuzz/fuzz_sequences -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/sequences- fuzz/corpus-sequences-run fuzz/corpus-sequences
+	build-fuzz/fuzz_prefix -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
+	  -artifact_prefix=build-fuzz/prefix- fuzz/corpus-prefix-run fuzz/corpus-prefix
 
 # cppcheck and clang-tidy over include/ (scripts/lint).
 LINT_PACKAGES := cppcheck clang-tidy-14 libtorch-dev

@@ -14,11 +14,16 @@
 // 0. paged: q and the attention output are in the cache's dtype (as
 // paged_attention takes them) in both runs, and the kernel's float32
 // summation order differs from ATen's: within a small tolerance.
+// With --shared-prefix N every prompt starts with the same N tokens (ids
+// looked up in a random embedding table) and requests arrive in two waves:
+// a PrefixCache registers the first wave's prompt pages, the second wave
+// acquires them and prefills only the rest of its prompts (the contiguous
+// run still computes every prompt in full).
 //
 //   attention_loop [--batch 4] [--steps 32] [--layout nhd|hnd]
 //                  [--dtype float32|float16|bfloat16] [--page-size 16]
 //                  [--max-prompt 200] [--seed 0] [--samples 1]
-//                  [--attention paged|gather]
+//                  [--attention paged|gather] [--shared-prefix 0]
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -28,6 +33,7 @@
 #include <cstdlib>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -46,6 +52,7 @@ struct Options {
   uint64_t seed = 0;
   int64_t samples = 1;
   std::string attention = "paged";
+  int64_t shared_prefix = 0;
 };
 
 constexpr int64_t kLayers = 4;
@@ -71,6 +78,9 @@ void usage(const char* argv0) {
       "                      the prompt's pages (default 1)\n"
       "  --attention A       paged: paged_attention reads K/V from the pages; gather: gather\n"
       "                      K/V into contiguous tensors, then ATen attention (default paged)\n"
+      "  --shared-prefix N   every prompt starts with the same N tokens; requests arrive in two\n"
+      "                      waves and a PrefixCache lets the second skip the cached prefix's\n"
+      "                      prefill (default 0: no prefix cache)\n"
       "  --help              this text\n",
       argv0);
 }
@@ -106,6 +116,8 @@ bool parse(int argc, char** argv, Options& o) {
       o.max_prompt = number;
     } else if (arg == "--samples" && numeric && number >= 1) {
       o.samples = number;
+    } else if (arg == "--shared-prefix" && numeric && number >= 0) {
+      o.shared_prefix = number;
     } else if (arg == "--seed" && numeric && number >= 0) {
       o.seed = static_cast<uint64_t>(number);
     } else {
@@ -224,9 +236,21 @@ int run(const Options& o) {
   for (int64_t b = 0; b < o.batch; ++b) {
     prompt_lens.push_back(at::randint(o.max_prompt / 4, o.max_prompt + 1, {1}).item<int64_t>());
   }
+  std::vector<at::Tensor> prompts;   // [1, len, hidden] each
+  std::vector<at::Tensor> token_ids;  // [len] each, with --shared-prefix
+  if (o.shared_prefix > 0) {
+    constexpr int64_t kVocab = 1000;
+    const at::Tensor embedding = at::randn({kVocab, kHidden});
+    const at::Tensor shared = at::randint(kVocab, {o.shared_prefix}, at::kLong);
+    for (int64_t& len : prompt_lens) {
+      len += o.shared_prefix;
+      token_ids.push_back(at::cat({shared, at::randint(kVocab, {len - o.shared_prefix}, at::kLong)}));
+      prompts.push_back(embedding.index_select(0, token_ids.back()).unsqueeze(0));
+    }
+  } else {
+    for (int64_t len : prompt_lens) prompts.push_back(at::randn({1, len, kHidden}));
+  }
   const int64_t max_len = *std::max_element(prompt_lens.begin(), prompt_lens.end()) + o.steps;
-  std::vector<at::Tensor> prompts;
-  for (int64_t len : prompt_lens) prompts.push_back(at::randn({1, len, kHidden}));
   // Sampled continuations: sample j > 0 of a prompt starts decoding from the
   // prompt's last hidden state plus its own noise (sample 0 from the state itself).
   const int64_t rows = o.batch * o.samples;  // decoded sequences
@@ -243,6 +267,7 @@ int run(const Options& o) {
   for (int64_t len : prompt_lens) std::printf(" %lld", static_cast<long long>(len));
   std::printf(", %lld decode steps, %s attention", static_cast<long long>(o.steps), o.attention.c_str());
   if (o.samples > 1) std::printf(", %lld sampled continuations per prompt", static_cast<long long>(o.samples));
+  if (o.shared_prefix > 0) std::printf(", a shared prefix of %lld tokens", static_cast<long long>(o.shared_prefix));
   std::printf("\n");
 
   // ---- the paged run ----
@@ -250,25 +275,51 @@ int run(const Options& o) {
   PagedSide<Layout> paged(rows * ((max_len + o.page_size - 1) / o.page_size), o.page_size, kv_dtype);
   std::vector<int64_t> order;  // decode row -> sequence id: prompt b's samples at rows b*samples ...
   std::vector<at::Tensor> paged_out;  // per step: [B, hidden] after the prefill, then [B * samples, hidden]
+  // With --shared-prefix: the prefix cache, attached to the table; the
+  // first wave's requests all miss, the second wave's find its pages.
+  std::unique_ptr<pagedkv::PrefixCache<Layout>> prefix;
+  if (o.shared_prefix > 0) prefix = std::make_unique<pagedkv::PrefixCache<Layout>>(paged.seqs);
+  const int64_t first_wave = prefix ? (o.batch + 1) / 2 : o.batch;
   const auto t_prefill = std::chrono::steady_clock::now();
   at::Tensor last = at::empty({o.batch, 1, kHidden});
-  for (int64_t b = 0; b < o.batch; ++b) {  // prefill each prompt on its own, as engines do
-    const int64_t len = prompt_lens[static_cast<size_t>(b)];
-    const int64_t seq = paged.seqs.create();
-    paged.prepare(seq, len);
-    const auto view = paged.cache.bind(paged.seqs.batch({seq}).first, at::full({1}, len, at::kLong));
-    KvStore store{[&](int64_t l, const std::vector<int64_t>&, const at::Tensor& k, const at::Tensor& v) {
-                    view.write(l, 0, k, v);
-                  },
-                  [&](int64_t l) { return view.gather(l); }};
-    if (paged_attention) {
-      store.attend = [&](int64_t l, const at::Tensor& q) { return pagedkv::paged_attention(view, l, q); };
+  std::vector<int64_t> seq_of(static_cast<size_t>(o.batch));
+  for (const auto& wave : {std::make_pair(int64_t{0}, first_wave), std::make_pair(first_wave, o.batch)}) {
+    std::vector<int64_t> cached(static_cast<size_t>(o.batch), 0);  // tokens whose K/V the cache gave
+    for (int64_t b = wave.first; b < wave.second; ++b) {  // the wave arrives: look its prompts up
+      if (prefix) {
+        const auto hit = prefix->acquire(token_ids[static_cast<size_t>(b)]);
+        seq_of[static_cast<size_t>(b)] = hit.first;
+        cached[static_cast<size_t>(b)] = hit.second;
+      } else {
+        seq_of[static_cast<size_t>(b)] = paged.seqs.create();
+      }
     }
-    const at::Tensor h = forward(weights, prompts[static_cast<size_t>(b)], {0}, store, kv_dtype, paged_attention);
-    last[b] = h[0][h.size(1) - 1];
-    paged.seqs.commit_append(seq, len);
-    order.push_back(seq);
-    for (int64_t j = 1; j < o.samples; ++j) order.push_back(paged.seqs.fork(seq));  // shares every page
+    for (int64_t b = wave.first; b < wave.second; ++b) {  // prefill each prompt on its own, as engines do
+      const int64_t len = prompt_lens[static_cast<size_t>(b)];
+      const int64_t seq = seq_of[static_cast<size_t>(b)];
+      const int64_t from = cached[static_cast<size_t>(b)];  // only the tokens after the cached prefix
+      paged.prepare(seq, len - from);
+      const auto view = paged.cache.bind(paged.seqs.batch({seq}).first, at::full({1}, len, at::kLong));
+      KvStore store{[&](int64_t l, const std::vector<int64_t>&, const at::Tensor& k, const at::Tensor& v) {
+                      view.write(l, from, k, v);
+                    },
+                    [&](int64_t l) { return view.gather(l); }};
+      if (paged_attention) {
+        store.attend = [&](int64_t l, const at::Tensor& q) { return pagedkv::paged_attention(view, l, q); };
+      }
+      const at::Tensor h = forward(weights, prompts[static_cast<size_t>(b)].slice(1, from), {from}, store, kv_dtype,
+                                   paged_attention);
+      last[b] = h[0][h.size(1) - 1];
+      paged.seqs.commit_append(seq, len - from);
+    }
+    if (prefix) {  // register the wave's prompt pages for later requests
+      for (int64_t b = wave.first; b < wave.second; ++b)
+        prefix->insert(seq_of[static_cast<size_t>(b)], token_ids[static_cast<size_t>(b)]);
+    }
+  }
+  for (int64_t b = 0; b < o.batch; ++b) {
+    order.push_back(seq_of[static_cast<size_t>(b)]);
+    for (int64_t j = 1; j < o.samples; ++j) order.push_back(paged.seqs.fork(seq_of[static_cast<size_t>(b)]));
   }
   const double prefill_s = seconds_since(t_prefill);
   paged_out.push_back(last.squeeze(1).clone());
@@ -383,7 +434,19 @@ int run(const Options& o) {
                 static_cast<long long>(mapped), static_cast<long long>(paged.pages_in_use()),
                 static_cast<long long>(saved), static_cast<double>(saved * page_bytes) / 1024);
   }
+  if (prefix) {
+    const pagedkv::PrefixStats st = prefix->stats();
+    std::printf("prefix cache: %lld requests, hit rate %.1f%% (%lld of %lld prompt tokens), %lld prefill tokens "
+                "skipped, %lld pages cached\n",
+                static_cast<long long>(st.lookups),
+                st.query_tokens > 0 ? 100.0 * static_cast<double>(st.hit_tokens) / static_cast<double>(st.query_tokens)
+                                    : 0.0,
+                static_cast<long long>(st.hit_tokens), static_cast<long long>(st.query_tokens),
+                static_cast<long long>(st.hit_tokens), static_cast<long long>(prefix->n_cached()));
+    prefix->check();
+  }
   for (int64_t seq : order) paged.seqs.release(seq);
+  if (prefix) prefix->clear();  // the cached pages nobody holds any more
   if (paged.cache.n_free() != paged.cache.n_pages()) {
     std::fprintf(stderr, "FAILED: %lld pages leaked\n",
                  static_cast<long long>(paged.cache.n_pages() - paged.cache.n_free()));

@@ -7,3 +7,7 @@ template class pagedkv::PagedCache<pagedkv::NHD>;
 template class pagedkv::PagedCache<pagedkv::HND>;
 template class pagedkv::CacheView<pagedkv::NHD>;
 template class pagedkv::CacheView<pagedkv::HND>;
+template class pagedkv::SequenceTable<pagedkv::NHD>;
+template class pagedkv::SequenceTable<pagedkv::HND>;
+template class pagedkv::PrefixCache<pagedkv::NHD>;
+template class pagedkv::PrefixCache<pagedkv::HND>;

@@ -4,6 +4,8 @@
 //   FuzzCorpus           PagedCache scripts (fuzz/script.hpp, fuzz/corpus/)
 //   FuzzSequencesCorpus  SequenceTable scripts (fuzz/sequence_script.hpp,
 //                        fuzz/corpus-sequences/)
+//   FuzzPrefixCorpus     PrefixCache scripts (fuzz/prefix_script.hpp,
+//                        fuzz/corpus-prefix/)
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -14,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "../fuzz/prefix_script.hpp"
 #include "../fuzz/script.hpp"
 #include "../fuzz/sequence_script.hpp"
 
@@ -30,6 +33,7 @@ struct Harness {
 const Harness kPagedCache{"corpus", [](const uint8_t* d, size_t n) { pagedkv_fuzz::run_script(d, n); }};
 const Harness kSequences{"corpus-sequences",
                          [](const uint8_t* d, size_t n) { pagedkv_fuzz::run_sequence_script(d, n); }};
+const Harness kPrefix{"corpus-prefix", [](const uint8_t* d, size_t n) { pagedkv_fuzz::run_prefix_script(d, n); }};
 
 std::vector<uint8_t> read_bytes(const fs::path& path) {
   std::ifstream file(path, std::ios::binary);
@@ -69,5 +73,7 @@ TEST(FuzzCorpus, EverySeedPasses) { every_seed_passes(kPagedCache); }
 TEST(FuzzCorpus, RandomScriptsPass) { random_scripts_pass(kPagedCache, 20240605, 300); }
 TEST(FuzzSequencesCorpus, EverySeedPasses) { every_seed_passes(kSequences); }
 TEST(FuzzSequencesCorpus, RandomScriptsPass) { random_scripts_pass(kSequences, 20240611, 200); }
+TEST(FuzzPrefixCorpus, EverySeedPasses) { every_seed_passes(kPrefix); }
+TEST(FuzzPrefixCorpus, RandomScriptsPass) { random_scripts_pass(kPrefix, 20261201, 200); }
 
 }  // namespace

@@ -254,5 +254,15 @@ inline void attention_lengths(const Caller& caller, const std::vector<int64_t>& 
   }
 }
 
+/// A prompt's token ids: [n_tokens], int32 or int64, on the cpu.
+inline void token_ids(const Caller& caller, const at::Tensor& tokens) {
+  TORCH_CHECK(tokens.defined(), caller, ": argument 'tokens' expected a tensor, got an undefined one");
+  TORCH_CHECK(tokens.dim() == 1, caller, ": argument 'tokens' expected 1-D [n_tokens], got ", tokens.dim(),
+              "-D with shape ", tokens.sizes());
+  TORCH_CHECK(is_index_type(tokens.scalar_type()), caller, ": argument 'tokens' expected dtype int32 or int64, got ",
+              tokens.scalar_type());
+  TORCH_CHECK(tokens.device().is_cpu(), caller, ": argument 'tokens' expected on cpu, got ", tokens.device());
+}
+
 }  // namespace checks
 }  // namespace pagedkv

@@ -11,6 +11,8 @@
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_copy.hpp"
 #include "pagedkv/page_pool.hpp"
+#include "pagedkv/page_reclaimer.hpp"
 #include "pagedkv/page_table.hpp"
 #include "pagedkv/paged_cache.hpp"
+#include "pagedkv/prefix_cache.hpp"
 #include "pagedkv/sequences.hpp"

@@ -47,6 +47,11 @@
 //   its sequences hold in its own cache (never touching other tables).
 //   Not copyable or movable (swapped sequences refer to their host table).
 // - Not thread-safe: one scheduler thread owns a table and its cache.
+// - A PrefixCache attached to the table (at most one) lends it its
+//   evictable pages: when the pool is short, reserve / prepare_append /
+//   swap_in (and swap_out into a host table with its own prefix cache) evict
+//   exactly the shortfall first, and return false, with nothing changed,
+//   only when free + evictable pages are too few (page_reclaimer.hpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -62,9 +67,13 @@
 #include "pagedkv/checks.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_copy.hpp"
+#include "pagedkv/page_reclaimer.hpp"
 #include "pagedkv/paged_cache.hpp"
 
 namespace pagedkv {
+
+template <class Layout>
+class PrefixCache;
 
 template <class Layout = NHD>
 class SequenceTable {
@@ -102,6 +111,7 @@ class SequenceTable {
     checks::non_negative(caller, "n_tokens", n_tokens);
     const int64_t need = pages_for(n_tokens) - n_pages(s);
     if (need <= 0) return true;
+    if (!make_room(need)) return false;
     std::vector<int64_t> fresh = cache_->pool().alloc_n(need);
     if (static_cast<int64_t>(fresh.size()) != need) return false;
     s.pages.insert(s.pages.end(), fresh.begin(), fresh.end());
@@ -147,6 +157,7 @@ class SequenceTable {
         pages_held(caller, seq, s.pages, cache_->pool());
         throw;
       }
+      unreferenced(s.pages);
     }
     retire(seq);
   }
@@ -177,7 +188,7 @@ class SequenceTable {
     for (int64_t j = first; j < have; ++j) shared += pool.ref_count(s.pages[static_cast<size_t>(j)]) > 1 ? 1 : 0;
     const int64_t grow = std::max<int64_t>(0, end - n_pages(s));
     if (shared + grow == 0) return true;
-    if (pool.n_free() < shared + grow) return false;
+    if (!make_room(shared + grow)) return false;
     s.pages.reserve(static_cast<size_t>(end));  // the only allocation: before any change
     // From here on each alloc() succeeds. Only column `first` can hold
     // tokens of this sequence (when the length is mid-page): it is copied
@@ -189,6 +200,7 @@ class SequenceTable {
       const int64_t mine = pool.alloc();
       if (j * page_size < s.length) copy_or_undo(*cache_, *cache_, &page, &mine, 1, &mine);
       pool.free(page);  // ref >= 2: only unreferenced
+      unreferenced(&page, 1);
       page = mine;
     }
     for (int64_t j = 0; j < grow; ++j) s.pages.push_back(pool.alloc());
@@ -247,11 +259,13 @@ class SequenceTable {
     other_table(caller, host);
     pages_held(caller, seq, s.pages, cache_->pool());  // so that the frees below cannot fail
     const int64_t n = pages_for(s.length);
+    if (!host.make_room(n)) return false;
     std::vector<int64_t> host_pages = host.cache_->pool().alloc_n(n);
     if (static_cast<int64_t>(host_pages.size()) != n) return false;
     const std::vector<int64_t> mine(s.pages.begin(), s.pages.begin() + static_cast<std::ptrdiff_t>(n));
     copy_or_undo(*host.cache_, *cache_, mine.data(), host_pages.data(), n, host_pages.data(), n);
     cache_->pool().free_all(s.pages);
+    unreferenced(s.pages);
     const int64_t host_seq = host.new_id();
     auto& h = host.seqs_[static_cast<size_t>(host_seq)];
     h.live = true;
@@ -282,6 +296,7 @@ class SequenceTable {
     const auto& h = host.seqs_[static_cast<size_t>(s.host_seq)];
     pages_held(caller, seq, h.pages, host.cache_->pool());  // so that release_holder cannot fail
     const int64_t n = static_cast<int64_t>(h.pages.size());
+    if (!make_room(n)) return false;
     std::vector<int64_t> pages = cache_->pool().alloc_n(n);
     if (static_cast<int64_t>(pages.size()) != n) return false;
     copy_or_undo(*cache_, *host.cache_, h.pages.data(), pages.data(), n, pages.data(), n);
@@ -319,6 +334,8 @@ class SequenceTable {
  private:
   template <class>
   friend class SequenceTable;
+  template <class>
+  friend class PrefixCache;  // attaches itself as the reclaimer; adopts matched pages into new sequences
 
   struct Seq {
     std::vector<int64_t> pages;
@@ -380,6 +397,7 @@ class SequenceTable {
   static void release_holder(void* table, int64_t seq) {
     auto* self = static_cast<SequenceTable*>(table);
     self->cache_->pool().free_all(self->seqs_[static_cast<size_t>(seq)].pages);
+    self->unreferenced(self->seqs_[static_cast<size_t>(seq)].pages);
     self->retire(seq);
   }
 
@@ -428,7 +446,46 @@ class SequenceTable {
     page_copy::same_geometry(caller, *host.cache_, *cache_);
   }
 
+  /// Whether n_needed pages can be allocated now: they are free, or the
+  /// reclaimer frees exactly the shortfall (only when it can: a false
+  /// return has changed nothing).
+  bool make_room(int64_t n_needed) noexcept {
+    const int64_t shortfall = n_needed - cache_->pool().n_free();
+    if (shortfall <= 0) return true;
+    if (reclaimer_ == nullptr || reclaimer_->n_reclaimable() < shortfall) return false;
+    reclaimer_->reclaim(shortfall);
+    return true;
+  }
+
+  /// Tells the reclaimer that the table dropped a reference on each of `pages`.
+  void unreferenced(const std::vector<int64_t>& pages) noexcept {
+    if (reclaimer_ != nullptr) reclaimer_->unreferenced(pages.data(), static_cast<int64_t>(pages.size()));
+  }
+  void unreferenced(const int64_t* pages, int64_t n) noexcept {
+    if (reclaimer_ != nullptr) reclaimer_->unreferenced(pages, n);
+  }
+
+  /// A new live sequence that holds `pages` (their references already
+  /// taken by the caller) and `length` tokens. Throws only std::bad_alloc,
+  /// before any change.
+  int64_t adopt(const std::vector<int64_t>& pages, int64_t length) {
+    const int64_t seq = new_id();
+    Seq& s = seqs_[static_cast<size_t>(seq)];
+    try {
+      s.pages.assign(pages.begin(), pages.end());
+    } catch (...) {
+      free_ids_.push_back(seq);
+      std::push_heap(free_ids_.begin(), free_ids_.end(), std::greater<int64_t>());
+      throw;
+    }
+    s.length = length;
+    s.live = true;
+    ++n_live_;
+    return seq;
+  }
+
   PagedCache<Layout>* cache_;
+  PageReclaimer* reclaimer_ = nullptr;  // the attached PrefixCache, if any
   std::vector<Seq> seqs_;       // indexed by id
   std::vector<int64_t> free_ids_;  // released ids below seqs_.size(): a min-heap
   int64_t n_live_ = 0;

@@ -1,0 +1,621 @@
+// PrefixCache<Layout>: automatic prefix caching over a SequenceTable. A new
+// request reuses the pages of every full page of its prompt that an earlier
+// request already computed (a shared system prompt, earlier chat turns).
+//
+// Semantics (DESIGN.md, "PrefixCache<Layout>")
+// - A cached page is a node of a tree: its parent is the cached page that
+//   holds the tokens just before it (none for a prompt's first page), its
+//   key is (parent, salt, its page_size tokens). A chained 64-bit hash of
+//   (salt, parent's hash, tokens) only picks candidates: the parent, salt
+//   and tokens of a candidate are always compared, so a hash collision can
+//   never hand one prompt another's pages, and different salts never share.
+// - Only full pages are cached or matched. max_tokens caps a match; -1 means
+//   tokens.size(0) - 1 (the last prompt token is recomputed for its logits).
+// - The cache holds one pool reference of its own on each cached page, so
+//   PagePool is unchanged and ids stay lowest-first.
+// - Evictable: the cache's reference is the page's only one and no cached
+//   page continues it (a leaf). evict(n) frees up to n of them, least
+//   recently used first; freeing a leaf may make its parent evictable.
+//   Reclaimable (what the attached table may take): cached pages that
+//   repeated eviction can free, i.e. no sequence holds them nor any cached
+//   page after them.
+// - Use order: acquire (matched pages) and insert (every page of the chain,
+//   registered or already cached) mark pages used, the first page of a
+//   prompt as the most recent. So a page is always more recently used than
+//   every cached page that continues it, and the LRU list is also a
+//   leaves-first order: one walk from its oldest end evicts in LRU order and
+//   meets each parent after its children.
+// - While attached, the table tells the cache when it drops a reference on a
+//   page (page_reclaimer.hpp), so n_evictable() and n_reclaimable() are
+//   counters, exact at all times, and eviction never scans the pool.
+// - Failure: bad input throws c10::Error naming the function, the argument,
+//   what was expected and what was given; nothing changes, stats included.
+// - Lifetime: attaches to the table in the constructor (a table has at most
+//   one prefix cache), detaches and drops its references in the destructor;
+//   must not outlive the table. Not copyable or movable. Not thread-safe.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "pagedkv/checks.hpp"
+#include "pagedkv/layouts.hpp"
+#include "pagedkv/page_reclaimer.hpp"
+#include "pagedkv/sequences.hpp"
+
+namespace pagedkv {
+
+struct PrefixStats {
+  int64_t lookups;         // acquire calls that succeeded
+  int64_t query_tokens;    // tokens offered to those calls (after the max_tokens cap)
+  int64_t hit_tokens;      // tokens they got from the cache
+  int64_t inserted_pages;  // pages newly registered by insert
+  int64_t evicted_pages;   // cached pages freed by eviction
+};
+
+/// The hash that picks a page's candidates: seed (the salt's seed for a
+/// prompt's first page, else the parent's hash) and the page's tokens [n_tokens].
+using PrefixPageHash = uint64_t (*)(uint64_t seed, const int64_t* tokens, int64_t n_tokens);
+
+namespace prefix_hash {
+
+inline uint64_t mix(uint64_t x) noexcept {  // murmur3's finaliser: every bit reaches the low (slot) bits
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  x ^= x >> 33;
+  return x;
+}
+
+/// Fast, not cryptographic: collisions only cost a token comparison.
+/// Two independent lanes halve the multiply chain's latency.
+inline uint64_t page(uint64_t seed, const int64_t* tokens, int64_t n_tokens) noexcept {
+  uint64_t a = seed;
+  uint64_t b = seed ^ 0x9e3779b97f4a7c15ULL;
+  int64_t i = 0;
+  for (; i + 1 < n_tokens; i += 2) {
+    a = (a ^ static_cast<uint64_t>(tokens[i])) * 0x100000001b3ULL;
+    b = (b ^ static_cast<uint64_t>(tokens[i + 1])) * 0xc6a4a7935bd1e995ULL;
+  }
+  if (i < n_tokens) a = (a ^ static_cast<uint64_t>(tokens[i])) * 0x100000001b3ULL;
+  return mix(a ^ (b >> 1) ^ static_cast<uint64_t>(n_tokens));
+}
+
+inline uint64_t salt_seed(uint64_t salt) noexcept { return mix(salt ^ 0x5bd1e9955bd1e995ULL); }
+
+}  // namespace prefix_hash
+
+template <class Layout = NHD>
+class PrefixCache final : private PageReclaimer {
+ public:
+  explicit PrefixCache(SequenceTable<Layout>& seqs)
+      : seqs_(&seqs),
+        page_size_(seqs.cache().page_size()),
+        node_of_page_(static_cast<size_t>(seqs.cache().n_pages()), kNone) {
+    TORCH_CHECK(seqs.reclaimer_ == nullptr, "pagedkv::PrefixCache<", Layout::name,
+                ">: argument 'seqs' expected a table without a prefix cache, got one that already has one");
+    grow_index(16);
+    seqs.reclaimer_ = this;
+  }
+
+  ~PrefixCache() {
+    PagePool& pool = this->pool();
+    for (const Node& x : nodes_) {
+      // The cache's own reference; sequences keep theirs (a page freed
+      // behind the cache's back is skipped: a destructor must not throw).
+      if (x.live && pool.is_allocated(x.page)) pool.free(x.page);
+    }
+    seqs_->reclaimer_ = nullptr;
+  }
+
+  PrefixCache(const PrefixCache&) = delete;
+  PrefixCache& operator=(const PrefixCache&) = delete;
+
+  /// Tokens a match would give now (a multiple of page_size); changes nothing.
+  int64_t peek(const at::Tensor& tokens, uint64_t salt = 0, int64_t max_tokens = -1) const {
+    const checks::Caller caller{"PrefixCache", Layout::name, "peek"};
+    const at::Tensor ids = token_ids(caller, tokens);
+    const int64_t cap = capped(caller, ids, max_tokens);
+    return match(ids.data_ptr<int64_t>(), cap / page_size_, salt, nullptr) * page_size_;
+  }
+
+  /// A new sequence in the table sharing the pages of the longest cached
+  /// prefix of `tokens` (each ref_count + 1), with length = the matched
+  /// tokens: {seq, matched_tokens}. A miss gives an empty sequence.
+  std::pair<int64_t, int64_t> acquire(const at::Tensor& tokens, uint64_t salt = 0, int64_t max_tokens = -1) {
+    const checks::Caller caller{"PrefixCache", Layout::name, "acquire"};
+    const at::Tensor ids = token_ids(caller, tokens);
+    const int64_t cap = capped(caller, ids, max_tokens);
+    std::vector<int32_t> chain;
+    const int64_t n_matched = match(ids.data_ptr<int64_t>(), cap / page_size_, salt, &chain);
+    std::vector<int64_t> pages(static_cast<size_t>(n_matched));
+    for (size_t j = 0; j < chain.size(); ++j) pages[j] = nodes_[static_cast<size_t>(chain[j])].page;
+    PagePool& pool = this->pool();
+    pool.retain_all(pages);  // all or nothing (throws at the ref_count limit)
+    int64_t seq = -1;
+    try {
+      seq = seqs_->adopt(pages, n_matched * page_size_);
+    } catch (...) {
+      pool.free_all(pages);
+      throw;
+    }
+    // From here on nothing throws.
+    for (const int32_t x : chain) set_held(x, true);
+    touch(chain);
+    ++stats_.lookups;
+    stats_.query_tokens += cap;
+    stats_.hit_tokens += n_matched * page_size_;
+    return {seq, n_matched * page_size_};
+  }
+
+  /// Registers the full pages sequence `seq` has written (pages before
+  /// length(seq) / page_size) under `tokens` (at least length(seq) of them)
+  /// and `salt`; a page whose prefix is already cached, by this page or
+  /// another, is not registered again. Returns the pages newly cached.
+  int64_t insert(int64_t seq, const at::Tensor& tokens, uint64_t salt = 0) {
+    const checks::Caller caller{"PrefixCache", Layout::name, "insert"};
+    const auto& s = seqs_->owned(caller, seq);
+    const at::Tensor ids = token_ids(caller, tokens);
+    TORCH_CHECK(ids.size(0) >= s.length, caller, ": argument 'tokens' expected at least length(seq) = ", s.length,
+                " tokens (sequence ", seq, "), got ", ids.size(0));
+    const int64_t n = s.length / page_size_;
+    const std::vector<int64_t> held(s.pages.begin(), s.pages.begin() + static_cast<std::ptrdiff_t>(n));
+    seqs_->pages_held(caller, seq, held, pool());
+    const int64_t* data = ids.data_ptr<int64_t>();
+
+    // Plan: the cached node at each position, or kNone for a page to register.
+    std::vector<int32_t> chain(static_cast<size_t>(n), kNone);
+    std::vector<uint64_t> hashes(static_cast<size_t>(n));
+    std::vector<int64_t> fresh;  // pages to register, in position order
+    int32_t prev = kNone;
+    uint64_t seed = prefix_hash::salt_seed(salt);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t* page_tokens = data + j * page_size_;
+      const uint64_t h = hash_(seed, page_tokens, page_size_);
+      const int32_t found = (j == 0 || prev != kNone) ? find(h, prev, salt, page_tokens) : kNone;
+      const int64_t page = held[static_cast<size_t>(j)];
+      const int32_t cached_as = node_of_page_[static_cast<size_t>(page)];
+      TORCH_CHECK(cached_as == kNone || cached_as == found, caller,
+                  ": argument 'tokens' expected the tokens and salt that page ", page, " (page ", j, " of sequence ",
+                  seq, ") is cached with, got tokens[0:", (j + 1) * page_size_,
+                  "] or a salt that differ from them (the sequence shares that cached page)");
+      if (found == kNone) fresh.push_back(page);
+      chain[static_cast<size_t>(j)] = found;
+      hashes[static_cast<size_t>(j)] = h;
+      prev = found;
+      seed = h;
+    }
+    const int64_t n_fresh = static_cast<int64_t>(fresh.size());
+    reserve_nodes(n_fresh);    // may throw std::bad_alloc: nothing changed yet
+    pool().retain_all(fresh);  // the cache's references; all or nothing
+    // From here on nothing throws (capacity is reserved).
+    for (int64_t j = 0; j < n; ++j) {
+      // The index slots are random accesses into a table of megabytes: ask
+      // for the one kPrefetch pages ahead while this one is registered.
+      if (j + kPrefetch < n) prefetch_slot(hashes[static_cast<size_t>(j + kPrefetch)]);
+      int32_t& x = chain[static_cast<size_t>(j)];
+      if (x != kNone) continue;
+      x = add_node(held[static_cast<size_t>(j)], j == 0 ? kNone : chain[static_cast<size_t>(j - 1)], salt,
+                   hashes[static_cast<size_t>(j)], data + j * page_size_);
+    }
+    touch(chain);
+    stats_.inserted_pages += n_fresh;
+    return n_fresh;
+  }
+
+  /// Frees up to n_pages evictable pages, least recently used first;
+  /// returns how many it freed.
+  int64_t evict(int64_t n_pages) {
+    checks::non_negative(checks::Caller{"PrefixCache", Layout::name, "evict"}, "n_pages", n_pages);
+    return evict_lru(n_pages);
+  }
+
+  /// Frees every evictable page, repeatedly, until none is left.
+  void clear() { evict_lru(std::numeric_limits<int64_t>::max()); }
+
+  /// Pages the cache holds a reference on.
+  int64_t n_cached() const noexcept { return n_live_; }
+  /// Cached pages nothing else references and no cached page continues.
+  int64_t n_evictable() const noexcept { return n_evictable_; }
+  /// Cached pages repeated eviction can free now (>= n_evictable()): what the attached table may take.
+  int64_t n_reclaimable() const noexcept override { return n_reclaimable_; }
+
+  PrefixStats stats() const noexcept { return stats_; }
+  void reset_stats() noexcept { stats_ = PrefixStats{}; }
+
+  /// Audits the whole structure against the pool and the table with full
+  /// scans (for tests and debugging): every cached page is allocated and
+  /// mapped to its node; the tree's parent links, child counts and keys; the
+  /// hash index finds every node by its recomputed hash; the LRU list holds
+  /// every node once, each parent more recent than its children; the held /
+  /// evictable / reclaimable flags and counters; and every page's ref_count
+  /// equals the references the table's sequences and the cache hold on it
+  /// (so n_free + cached pages no sequence holds + pages sequences hold =
+  /// n_pages: nothing leaked). Assumes every page of the pool is held through
+  /// the table or this cache. Throws c10::Error naming the first violation.
+  void check() const {
+    const char* const where = Layout::name;
+    const PagePool& pool = this->pool();
+    pool.check();
+    const auto fail = [&](auto&&... parts) {
+      TORCH_CHECK(false, "pagedkv::PrefixCache<", where, ">::check: ", parts...);
+    };
+    std::vector<int64_t> refs(static_cast<size_t>(pool.n_pages()), 0);  // expected ref_counts
+    for (const auto& s : seqs_->seqs_) {
+      if (!s.live || s.swapped) continue;
+      for (const int64_t page : s.pages) ++refs[static_cast<size_t>(page)];
+    }
+    std::vector<int32_t> children(nodes_.size(), 0);
+    std::vector<int32_t> blocking(nodes_.size(), 0);
+    int64_t live = 0;
+    int64_t evictable = 0;
+    int64_t reclaimable = 0;
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+      const Node& x = nodes_[i];
+      if (!x.live) continue;
+      ++live;
+      if (!pool.is_allocated(x.page)) fail("node ", i, " caches page ", x.page, " which is free");
+      if (node_of_page_[static_cast<size_t>(x.page)] != static_cast<int32_t>(i))
+        fail("node ", i, " caches page ", x.page, " but the page maps to node ",
+             node_of_page_[static_cast<size_t>(x.page)]);
+      ++refs[static_cast<size_t>(x.page)];
+      if (x.parent != kNone) {
+        if (x.parent < 0 || static_cast<size_t>(x.parent) >= nodes_.size() ||
+            !nodes_[static_cast<size_t>(x.parent)].live)
+          fail("node ", i, " has parent ", x.parent, " which is not a cached node");
+        if (nodes_[static_cast<size_t>(x.parent)].salt != x.salt)
+          fail("node ", i, " has salt ", x.salt, " but its parent has salt ", nodes_[static_cast<size_t>(x.parent)].salt);
+        ++children[static_cast<size_t>(x.parent)];
+        if (!x.reclaimable) ++blocking[static_cast<size_t>(x.parent)];
+      }
+      const uint64_t seed = x.parent == kNone ? prefix_hash::salt_seed(x.salt) : nodes_[static_cast<size_t>(x.parent)].hash;
+      if (hash_(seed, tokens_of(static_cast<int32_t>(i)), page_size_) != x.hash)
+        fail("node ", i, " (page ", x.page, ") has a stale hash");
+      if (find(x.hash, x.parent, x.salt, tokens_of(static_cast<int32_t>(i))) != static_cast<int32_t>(i))
+        fail("node ", i, " (page ", x.page, ") is not the one the index finds for its key (missing or duplicated)");
+      const bool held = pool.ref_count(x.page) > 1;
+      if (x.held != held) fail("node ", i, " (page ", x.page, ") is marked ", x.held ? "held" : "not held",
+                               " but has ref_count ", pool.ref_count(x.page));
+      evictable += x.evictable ? 1 : 0;
+      reclaimable += x.reclaimable ? 1 : 0;
+    }
+    if (live != n_live_) fail(live, " live nodes, but n_cached() is ", n_live_);
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+      const Node& x = nodes_[i];
+      if (!x.live) continue;
+      if (x.n_children != children[i]) fail("node ", i, " counts ", x.n_children, " children, has ", children[i]);
+      if (x.n_blocking != blocking[i])
+        fail("node ", i, " counts ", x.n_blocking, " unreclaimable children, has ", blocking[i]);
+      const bool reclaimable_now = !x.held && blocking[i] == 0;
+      if (x.reclaimable != reclaimable_now) fail("node ", i, " (page ", x.page, ") has a wrong reclaimable flag");
+      if (x.evictable != (reclaimable_now && children[i] == 0))
+        fail("node ", i, " (page ", x.page, ") has a wrong evictable flag");
+    }
+    if (evictable != n_evictable_) fail(evictable, " evictable nodes, but n_evictable() is ", n_evictable_);
+    if (reclaimable != n_reclaimable_) fail(reclaimable, " reclaimable nodes, but n_reclaimable() is ", n_reclaimable_);
+    int64_t index_entries = 0;
+    for (const Slot& slot : slots_) index_entries += slot.node != kNone ? 1 : 0;
+    if (index_entries != n_live_) fail("the index has ", index_entries, " entries for ", n_live_, " nodes");
+    // LRU list: every node once, consistent links, each node older than its parent.
+    std::vector<int64_t> rank(nodes_.size(), -1);
+    int64_t r = 0;
+    int32_t before = kNone;
+    for (int32_t x = oldest_; x != kNone; x = nodes_[static_cast<size_t>(x)].newer) {
+      if (x < 0 || static_cast<size_t>(x) >= nodes_.size() || !nodes_[static_cast<size_t>(x)].live ||
+          rank[static_cast<size_t>(x)] != -1 || r >= n_live_)
+        fail("the LRU list is broken at node ", x);
+      if (nodes_[static_cast<size_t>(x)].older != before) fail("the LRU list's back link of node ", x, " is wrong");
+      rank[static_cast<size_t>(x)] = r++;
+      before = x;
+    }
+    if (before != newest_ || r != n_live_) fail("the LRU list holds ", r, " of ", n_live_, " nodes");
+    for (size_t i = 0; i < nodes_.size(); ++i) {
+      const Node& x = nodes_[i];
+      if (x.live && x.parent != kNone && rank[static_cast<size_t>(x.parent)] < rank[i])
+        fail("node ", i, " is more recently used than its parent ", x.parent);
+    }
+    for (int64_t page = 0; page < pool.n_pages(); ++page) {
+      const int32_t x = node_of_page_[static_cast<size_t>(page)];
+      if (x != kNone && (static_cast<size_t>(x) >= nodes_.size() || !nodes_[static_cast<size_t>(x)].live ||
+                         nodes_[static_cast<size_t>(x)].page != page))
+        fail("page ", page, " maps to node ", x, " which does not cache it");
+      if (pool.ref_count(page) != refs[static_cast<size_t>(page)])
+        fail("page ", page, " has ref_count ", pool.ref_count(page), " but the table's sequences and the cache hold ",
+             refs[static_cast<size_t>(page)], " references on it (a leak or a miscount)");
+    }
+  }
+
+ private:
+  friend struct PrefixCacheTestAccess;  // tests inject a constant hash to prove tokens are compared
+
+  static constexpr int32_t kNone = -1;
+  static constexpr int kPrefetch = 8;  // pages ahead (a miss is ~100 ns, a page's work ~20 ns)
+
+  struct Node {
+    uint64_t hash = 0;
+    uint64_t salt = 0;
+    int64_t page = -1;
+    int32_t parent = kNone;   // the cached page before this one; kNone for a prompt's first page
+    int32_t n_children = 0;   // cached pages that continue this one
+    int32_t n_blocking = 0;   // of those, the ones not reclaimable
+    int32_t older = kNone;    // LRU list links
+    int32_t newer = kNone;
+    bool live = false;
+    bool held = false;         // ref_count > 1: a sequence holds the page too
+    bool reclaimable = false;  // !held and every child reclaimable
+    bool evictable = false;    // reclaimable and no children
+  };
+
+  struct Slot {  // open-addressing index entry: linear probing, backward-shift deletion
+    uint64_t hash;
+    int32_t node;  // kNone: empty
+  };
+
+  PagePool& pool() const noexcept { return seqs_->cache().pool(); }
+
+  /// tokens as contiguous int64 (a view when they already are).
+  static at::Tensor token_ids(const checks::Caller& caller, const at::Tensor& tokens) {
+    checks::token_ids(caller, tokens);
+    return tokens.to(at::kLong).contiguous();
+  }
+
+  /// The tokens a match may use: max_tokens (>= -1) capped at the prompt.
+  static int64_t capped(const checks::Caller& caller, const at::Tensor& ids, int64_t max_tokens) {
+    TORCH_CHECK(max_tokens >= -1, caller,
+                ": argument 'max_tokens' expected >= -1 (-1: all but the last token), got ", max_tokens);
+    const int64_t n = ids.size(0);
+    return max_tokens == -1 ? std::max<int64_t>(n - 1, 0) : std::min(max_tokens, n);
+  }
+
+  const int64_t* tokens_of(int32_t x) const noexcept { return tokens_.data() + static_cast<size_t>(x) * page_size_; }
+
+  /// The cached node with key (parent, salt, tokens [page_size]) and hash h, or kNone.
+  int32_t find(uint64_t h, int32_t parent, uint64_t salt, const int64_t* tokens) const noexcept {
+    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+      const Slot& slot = slots_[i];
+      if (slot.node == kNone) return kNone;
+      if (slot.hash != h) continue;
+      const Node& x = nodes_[static_cast<size_t>(slot.node)];
+      if (x.parent == parent && x.salt == salt &&
+          std::memcmp(tokens_of(slot.node), tokens, static_cast<size_t>(page_size_) * sizeof(int64_t)) == 0)
+        return slot.node;
+    }
+  }
+
+  /// Matches the first n_pages full pages of `tokens`; returns how many
+  /// match and, when `chain` is given, their nodes in order.
+  int64_t match(const int64_t* tokens, int64_t n_pages, uint64_t salt, std::vector<int32_t>* chain) const {
+    int32_t prev = kNone;
+    uint64_t seed = prefix_hash::salt_seed(salt);
+    int64_t j = 0;
+    for (; j < n_pages; ++j) {
+      const int64_t* page_tokens = tokens + j * page_size_;
+      const uint64_t h = hash_(seed, page_tokens, page_size_);
+      const int32_t x = find(h, prev, salt, page_tokens);
+      if (x == kNone) break;
+      if (chain != nullptr) chain->push_back(x);
+      prev = x;
+      seed = h;
+    }
+    return j;
+  }
+
+  /// Room for n_more nodes and their index entries, so that add_node cannot throw.
+  void reserve_nodes(int64_t n_more) {
+    const size_t extra = static_cast<size_t>(std::max<int64_t>(0, n_more - static_cast<int64_t>(free_nodes_.size())));
+    const size_t n_nodes = nodes_.size() + extra;
+    if (n_nodes > nodes_.capacity()) {
+      const size_t cap = std::max(n_nodes, 2 * nodes_.capacity());
+      nodes_.reserve(cap);
+      tokens_.reserve(cap * static_cast<size_t>(page_size_));
+      free_nodes_.reserve(cap);
+    }
+    grow_index(static_cast<size_t>(n_live_ + n_more));
+  }
+
+  /// An index with at most half its slots used once it holds n_entries.
+  void grow_index(size_t n_entries) {
+    if (2 * n_entries <= slots_.size()) return;
+    size_t size = std::max<size_t>(16, slots_.size());
+    while (size < 2 * n_entries) size *= 2;
+    std::vector<Slot> slots(size, Slot{0, kNone});
+    const size_t mask = size - 1;
+    for (const Slot& slot : slots_) {
+      if (slot.node == kNone) continue;
+      size_t i = slot.hash & mask;
+      while (slots[i].node != kNone) i = (i + 1) & mask;
+      slots[i] = slot;
+    }
+    slots_.swap(slots);
+    mask_ = mask;
+  }
+
+  void prefetch_slot(uint64_t h) const noexcept { __builtin_prefetch(&slots_[h & mask_]); }
+
+  void index_insert(uint64_t h, int32_t x) noexcept {
+    size_t i = h & mask_;
+    while (slots_[i].node != kNone) i = (i + 1) & mask_;
+    slots_[i] = Slot{h, x};
+  }
+
+  void index_erase(uint64_t h, int32_t x) noexcept {
+    size_t i = h & mask_;
+    while (slots_[i].node != x) i = (i + 1) & mask_;
+    // Backward shift: move later entries of the cluster into the hole when
+    // the hole lies between their home slot and where they are.
+    for (size_t j = (i + 1) & mask_; slots_[j].node != kNone; j = (j + 1) & mask_) {
+      const size_t home = slots_[j].hash & mask_;
+      const bool movable = i <= j ? (home <= i || home > j) : (home <= i && home > j);
+      if (movable) {
+        slots_[i] = slots_[j];
+        i = j;
+      }
+    }
+    slots_[i].node = kNone;
+  }
+
+  /// Registers `page` (its cache reference already taken; a sequence holds
+  /// it too) after `parent`. Capacity must be reserved.
+  int32_t add_node(int64_t page, int32_t parent, uint64_t salt, uint64_t h, const int64_t* tokens) noexcept {
+    int32_t x;
+    if (!free_nodes_.empty()) {
+      x = free_nodes_.back();
+      free_nodes_.pop_back();
+    } else {
+      x = static_cast<int32_t>(nodes_.size());
+      nodes_.emplace_back();
+      tokens_.resize(tokens_.size() + static_cast<size_t>(page_size_));
+    }
+    Node& n = nodes_[static_cast<size_t>(x)];
+    n = Node{};
+    n.hash = h;
+    n.salt = salt;
+    n.page = page;
+    n.parent = parent;
+    n.live = true;
+    n.held = true;
+    std::memcpy(tokens_.data() + static_cast<size_t>(x) * page_size_, tokens,
+                static_cast<size_t>(page_size_) * sizeof(int64_t));
+    node_of_page_[static_cast<size_t>(page)] = x;
+    index_insert(h, x);
+    link_newest(x);
+    ++n_live_;
+    if (parent != kNone) {
+      Node& p = nodes_[static_cast<size_t>(parent)];
+      ++p.n_children;
+      ++p.n_blocking;  // the new node is held, so not reclaimable
+      refresh(parent);
+    }
+    return x;
+  }
+
+  /// Evicts node x (evictable: a reclaimable leaf).
+  void remove(int32_t x) noexcept {
+    Node& n = nodes_[static_cast<size_t>(x)];
+    pool().free(n.page);  // the only reference: the page is free again
+    node_of_page_[static_cast<size_t>(n.page)] = kNone;
+    index_erase(n.hash, x);
+    unlink(x);
+    n.live = false;
+    --n_live_;
+    --n_evictable_;
+    --n_reclaimable_;
+    free_nodes_.push_back(x);  // capacity reserved with nodes_
+    ++stats_.evicted_pages;
+    if (n.parent != kNone) {
+      --nodes_[static_cast<size_t>(n.parent)].n_children;  // x was reclaimable: n_blocking unchanged
+      refresh(n.parent);
+    }
+  }
+
+  /// One walk from the least recently used end: evicting a leaf may make
+  /// its parent evictable, and the parent is more recent, so the walk meets it.
+  int64_t evict_lru(int64_t n_pages) noexcept {
+    int64_t freed = 0;
+    int32_t ahead = oldest_;  // kPrefetch nodes ahead of x: its index slot is fetched early
+    for (int i = 0; i < kPrefetch && ahead != kNone; ++i) ahead = nodes_[static_cast<size_t>(ahead)].newer;
+    for (int32_t x = oldest_; x != kNone && freed < n_pages;) {
+      if (ahead != kNone) {
+        prefetch_slot(nodes_[static_cast<size_t>(ahead)].hash);
+        ahead = nodes_[static_cast<size_t>(ahead)].newer;
+      }
+      const int32_t next = nodes_[static_cast<size_t>(x)].newer;
+      if (nodes_[static_cast<size_t>(x)].evictable) {
+        remove(x);
+        ++freed;
+      }
+      x = next;
+    }
+    return freed;
+  }
+
+  /// Recomputes x's flags and counters after its held flag or children
+  /// changed, and carries a change of reclaimability up to its ancestors.
+  void refresh(int32_t x) noexcept {
+    while (x != kNone) {
+      Node& n = nodes_[static_cast<size_t>(x)];
+      const bool reclaimable = !n.held && n.n_blocking == 0;
+      const bool evictable = reclaimable && n.n_children == 0;
+      if (evictable != n.evictable) {
+        n.evictable = evictable;
+        n_evictable_ += evictable ? 1 : -1;
+      }
+      if (reclaimable == n.reclaimable) return;
+      n.reclaimable = reclaimable;
+      n_reclaimable_ += reclaimable ? 1 : -1;
+      if (n.parent == kNone) return;
+      nodes_[static_cast<size_t>(n.parent)].n_blocking += reclaimable ? -1 : 1;
+      x = n.parent;
+    }
+  }
+
+  void set_held(int32_t x, bool held) noexcept {
+    Node& n = nodes_[static_cast<size_t>(x)];
+    if (n.held == held) return;
+    n.held = held;
+    refresh(x);
+  }
+
+  void unlink(int32_t x) noexcept {
+    Node& n = nodes_[static_cast<size_t>(x)];
+    (n.older == kNone ? oldest_ : nodes_[static_cast<size_t>(n.older)].newer) = n.newer;
+    (n.newer == kNone ? newest_ : nodes_[static_cast<size_t>(n.newer)].older) = n.older;
+    n.older = n.newer = kNone;
+  }
+
+  void link_newest(int32_t x) noexcept {
+    Node& n = nodes_[static_cast<size_t>(x)];
+    n.older = newest_;
+    n.newer = kNone;
+    (newest_ == kNone ? oldest_ : nodes_[static_cast<size_t>(newest_)].newer) = x;
+    newest_ = x;
+  }
+
+  /// Marks a prompt's chain used: the first page ends up the most recent.
+  void touch(const std::vector<int32_t>& chain) noexcept {
+    for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+      if (*it == newest_) continue;
+      unlink(*it);
+      link_newest(*it);
+    }
+  }
+
+  // ---- PageReclaimer: the attached table's hook ----
+
+  void reclaim(int64_t n_pages) noexcept override { evict_lru(n_pages); }
+
+  void unreferenced(const int64_t* pages, int64_t n) noexcept override {
+    const PagePool& pool = this->pool();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t page = pages[i];
+      const int32_t x = node_of_page_[static_cast<size_t>(page)];
+      if (x != kNone && pool.ref_count(page) == 1) set_held(x, false);
+    }
+  }
+
+  SequenceTable<Layout>* seqs_;
+  int64_t page_size_;
+  PrefixPageHash hash_ = &prefix_hash::page;
+  std::vector<Node> nodes_;           // slots; !live ones are listed in free_nodes_
+  std::vector<int64_t> tokens_;       // [nodes_.size(), page_size]: each node's tokens
+  std::vector<int32_t> free_nodes_;
+  std::vector<int32_t> node_of_page_;  // [n_pages]: the node caching each page, or kNone
+  std::vector<Slot> slots_;            // hash index, a power of two long
+  size_t mask_ = 0;
+  int32_t oldest_ = kNone;  // LRU list ends
+  int32_t newest_ = kNone;
+  int64_t n_live_ = 0;
+  int64_t n_evictable_ = 0;
+  int64_t n_reclaimable_ = 0;
+  PrefixStats stats_{};
+};
+
+}  // namespace pagedkv
