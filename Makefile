@@ -5,7 +5,7 @@ BUILD_TYPE ?= Release
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-DEBIAN_PACKAGES := cmake g++ make libtorch-dev googletest libgtest-dev libbenchmark-dev python3-torch
+DEBIAN_PACKAGES := cmake g++ make libtorch-dev libgloo-dev googletest libgtest-dev libbenchmark-dev python3-torch
 
 .PHONY: deps configure build test example bench clean test-sanitize fuzz lint
 
