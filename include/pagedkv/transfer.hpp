@@ -267,6 +267,33 @@ inline std::vector<int64_t> words_of(const at::Tensor& t) {
   return std::vector<int64_t>(p, p + host.numel());
 }
 
+/// Which staging buffer: the sender's (packed payload) or the receiver's.
+enum class StagingRole { send = 0, recv = 1 };
+
+inline at::Tensor& staging_slot(StagingRole role) {
+  thread_local at::Tensor slots[2];
+  return slots[static_cast<int>(role)];
+}
+
+/// A staging tensor of `shape`. On the CPU it is one buffer per thread and
+/// role, reused from transfer to transfer: a fresh 64 MiB buffer costs more
+/// in page faults than the copy into it (bench/NOTES.md, transfer). Other
+/// devices have caching allocators of their own.
+inline at::Tensor staging(StagingRole role, at::IntArrayRef shape, const at::TensorOptions& options) {
+  if (!options.device().is_cpu()) return at::empty(shape, options);
+  at::Tensor& slot = staging_slot(role);
+  const int64_t numel = c10::multiply_integers(shape);
+  if (!slot.defined() || slot.dtype() != options.dtype() || slot.numel() < numel) {
+    slot = at::Tensor();  // the old buffer goes before the new one comes
+    slot = at::empty({numel}, options);
+  }
+  return slot.narrow(0, 0, numel).view(shape);
+}
+
+/// After a failure the group may still hold a pending message on the
+/// buffer (it keeps the memory alive through its work): never reuse it.
+inline void drop_staging(StagingRole role) { staging_slot(role) = at::Tensor(); }
+
 /// The header of a transfer of n pages (tokens [0, n_tokens)) of `cache`,
 /// heads [heads.begin, heads.end) (resolved: end != -1).
 template <class Layout>
@@ -314,15 +341,16 @@ void pack_layer(const PagedCache<Layout>& cache, int64_t layer, const std::vecto
         transfer_wire::page_strides(transfer_wire::layout_code<Layout>(), g.page_size, width, g.head_dim, es);
     const kernels::BlockShape shape{g.page_size, width, g.head_dim, es};
     char* out = static_cast<char*>(chunk.data_ptr());
-    at::parallel_for(0, 2 * n, kernels::grain_for(out_bytes), [&](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t kv = item / n;
-        const int64_t i = item % n;
-        const char* src = static_cast<const char*>(caches[kv].data_ptr()) + layer * layer_bytes +
-                          pages[static_cast<size_t>(i)] * page_bytes + heads.begin * g.head_stride * es;
-        kernels::copy_block(out + item * out_bytes, to, src, from, shape);
-      }
-    });
+    // On the calling thread: the group's thread sends the previous layer
+    // meanwhile, and a parallel region per layer stalls whenever a worker
+    // is descheduled (bench/NOTES.md, transfer).
+    for (int64_t item = 0; item < 2 * n; ++item) {
+      const int64_t kv = item / n;
+      const int64_t i = item % n;
+      const char* src = static_cast<const char*>(caches[kv].data_ptr()) + layer * layer_bytes +
+                        pages[static_cast<size_t>(i)] * page_bytes + heads.begin * g.head_stride * es;
+      kernels::copy_block(out + item * out_bytes, to, src, from, shape);
+    }
     return;
   }
   const at::Tensor index = kernels::host_index(pages, cache.device());
@@ -471,7 +499,8 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
       const auto page = h[w::layout] == 1
                             ? HND::page_shape(cache.page_size(), cache.n_kv_heads(), cache.head_dim())
                             : NHD::page_shape(cache.page_size(), cache.n_kv_heads(), cache.head_dim());
-      staging = at::empty({cache.n_layers(), 2, n, page[0], page[1], page[2]}, cache.k_cache().options());
+      staging = transfer_detail::staging(StagingRole::recv, {cache.n_layers(), 2, n, page[0], page[1], page[2]},
+                                         cache.k_cache().options());
       std::vector<decltype(recv_one(group, staging[0], src_rank, w::kPayloadTag))> payload;
       payload.reserve(static_cast<size_t>(cache.n_layers()));
       for (int64_t layer = 0; layer < cache.n_layers(); ++layer) {
@@ -483,6 +512,7 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
     wait_all(caller, reply_work, deadline, "reply to transfer " + std::to_string(transfer_id));
     unpack(cache, staging, h[w::layout], pages);
   } catch (...) {
+    drop_staging(StagingRole::recv);
     undo(pages);
     throw;
   }
@@ -490,6 +520,13 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
 }
 
 }  // namespace transfer_detail
+
+/// Frees the calling thread's staging buffers (CPU transfers keep the
+/// largest payload sent and the largest received per thread, for reuse).
+inline void release_transfer_buffers() {
+  transfer_detail::drop_staging(transfer_detail::StagingRole::send);
+  transfer_detail::drop_staging(transfer_detail::StagingRole::recv);
+}
 
 /// Sends tokens [0, n_tokens) held by `pages` ([n] int32/int64, in token
 /// order, allocated in `cache`; n = ceil(n_tokens / page_size)) to
@@ -556,15 +593,20 @@ void send_pages(Group& group, int dst_rank, const PagedCache<Layout>& cache,
   // Pack a layer, hand it to the group (which sends in the background),
   // pack the next: the copy overlaps the wire.
   const auto page = Layout::page_shape(cache.page_size(), width, cache.head_dim());
-  const at::Tensor staging =
-      at::empty({cache.n_layers(), 2, n, page[0], page[1], page[2]}, cache.k_cache().options());
+  const at::Tensor packed = staging(StagingRole::send, {cache.n_layers(), 2, n, page[0], page[1], page[2]},
+                                    cache.k_cache().options());
   std::vector<decltype(send_one(group, reply, dst_rank, w::kPayloadTag))> works;
   works.reserve(static_cast<size_t>(cache.n_layers()));
-  for (int64_t layer = 0; layer < cache.n_layers(); ++layer) {
-    pack_layer(cache, layer, ids, heads, staging[layer]);
-    works.push_back(send_one(group, staging[layer], dst_rank, w::kPayloadTag));
+  try {
+    for (int64_t layer = 0; layer < cache.n_layers(); ++layer) {
+      pack_layer(cache, layer, ids, heads, packed[layer]);
+      works.push_back(send_one(group, packed[layer], dst_rank, w::kPayloadTag));
+    }
+    wait_all(caller, works, deadline, what + ": payload");
+  } catch (...) {
+    drop_staging(StagingRole::send);
+    throw;
   }
-  wait_all(caller, works, deadline, what + ": payload");
 }
 
 /// Receives one transfer from `src_rank` into fresh pages of `cache`
