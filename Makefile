@@ -7,7 +7,7 @@ CMAKE_ARGS ?=
 
 DEBIAN_PACKAGES := cmake g++ make libtorch-dev libgloo-dev googletest libgtest-dev libbenchmark-dev python3-torch
 
-.PHONY: deps configure build test example bench clean test-sanitize fuzz lint
+.PHONY: deps configure build test example example-disaggregated bench clean test-sanitize fuzz lint
 
 deps:
 	@./scripts/install-deps $(DEBIAN_PACKAGES)
@@ -24,6 +24,11 @@ test: build
 example: configure
 	cmake --build $(BUILD) -j $(JOBS) --target attention_loop
 	$(BUILD)/examples/attention_loop
+
+# A prefill and a decode process exchanging KV over Gloo on 127.0.0.1.
+example-disaggregated: configure
+	cmake --build $(BUILD) -j $(JOBS) --target disaggregated
+	$(BUILD)/examples/disaggregated
 
 # The benchmark suite (bench/, one binary) and its report: a markdown table
 # on stdout, docs/bench.md, docs/bench.png and the README's benchmark block.
