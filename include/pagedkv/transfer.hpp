@@ -378,14 +378,25 @@ void unpack(PagedCache<Layout>& cache, const at::Tensor& staging, int64_t code, 
     const kernels::BlockShape shape{g.page_size, g.n_heads, g.head_dim, es};
     const char* in = static_cast<const char*>(staging.data_ptr());
     const int64_t items = cache.n_layers() * 2 * n;
-    at::parallel_for(0, items, kernels::grain_for(page_bytes), [&](int64_t begin, int64_t end) {
+    // The fresh pages are not read before the call returns: streaming
+    // stores skip the read for ownership, as the cache writes do.
+    const bool stream = kernels::use_streaming_stores(items * page_bytes, to, g, es);
+    const auto run = [&](auto streaming, int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t layer = item / (2 * n);
         const int64_t kv = (item / n) % 2;
         const int64_t i = item % n;
         char* dst = static_cast<char*>(caches[kv].data_ptr()) + layer * layer_bytes +
                     pages[static_cast<size_t>(i)] * page_bytes;
-        kernels::copy_block(dst, to, in + item * page_bytes, from, shape);
+        kernels::copy_block<decltype(streaming)::value>(dst, to, in + item * page_bytes, from, shape);
+      }
+      if (decltype(streaming)::value) kernels::streaming_fence();
+    };
+    at::parallel_for(0, items, kernels::grain_for(page_bytes), [&](int64_t begin, int64_t end) {
+      if (stream) {
+        run(std::true_type(), begin, end);
+      } else {
+        run(std::false_type(), begin, end);
       }
     });
     return;
