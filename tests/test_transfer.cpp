@@ -289,6 +289,41 @@ std::string role_recv_and_die(Group& group, const Spec& s) {
   _exit(3);
 }
 
+/// recv_sequence into a table that already holds one sequence; a failure
+/// (s.r_expect) must leave the table, its pool and its cache as they were.
+std::string role_recv_sequence(Group& group, const Spec& s) {
+  PagedCache<NHD> cache = receiver_cache<NHD>(s);
+  for (int64_t p = 0; p < cache.n_pages(); ++p) {
+    if (cache.ref_count(p) > 0) cache.free(p);
+  }
+  SequenceTable<NHD> seqs(cache);
+  const int64_t first = seqs.create();
+  if (!seqs.reserve(first, s.num("r_hold", 3) * cache.page_size())) return "reserve failed";
+  const CacheSnapshot before(cache);
+  int64_t seq = -1;
+  std::string error = outcome(s.str("r_expect"), [&] {
+    seq = pagedkv::recv_sequence(group, 1, seqs, s.num("r_id", s.num("id", 1)), kTimeout);
+  });
+  if (!s.str("r_expect").empty()) {
+    const CacheSnapshot after(cache);
+    if (!bitwise_equal(after.k, before.k) || !bitwise_equal(after.v, before.v) || after.refs != before.refs) {
+      error += "; a failed recv_sequence changed the cache or pool";
+    }
+    if (seqs.size() != 1 || seqs.contains(1)) error += "; a failed recv_sequence changed the table";
+    if (seqs.create() != 1) error += "; the next id moved";
+    return error;
+  }
+  if (!error.empty()) return error;
+  if (seq != 1 || seqs.length(seq) != s.num("tokens", 13)) return "wrong sequence id or length";
+  error = verify(s, cache, std::vector<int64_t>(seqs.pages(seq).begin(),
+                                                seqs.pages(seq).begin() +
+                                                    static_cast<std::ptrdiff_t>(pages_for(s.num("tokens", 13), cache.page_size()))));
+  seqs.release(seq);
+  seqs.release(first);
+  if (cache.n_free() != cache.n_pages()) error += "; pages leaked";
+  return error;
+}
+
 /// A rank that sends a header of garbage.
 std::string role_send_garbage(Group& group, const Spec&) {
   namespace w = pagedkv::transfer_wire;
@@ -447,7 +482,7 @@ const std::map<std::string, Role>& roles() {
       {"send_garbage", role_send_garbage}, {"idle", role_idle},
       {"exchange", role_exchange},   {"send_routes", role_send_routes},
       {"recv_route", role_recv_route}, {"recv_mismatches", role_recv_mismatches},
-      {"bad_args", role_bad_args}};
+      {"bad_args", role_bad_args}, {"recv_sequence", role_recv_sequence}};
   return r;
 }
 
@@ -668,6 +703,19 @@ TEST(Transfer, RecvSequenceCreatesASequenceOfTheSentLength) {
   seqs.release(first);
   EXPECT_EQ(cache.n_free(), 16);
   EXPECT_EQ(child.wait(kChildLimit), 0);
+}
+
+TEST(Transfer, AFailedRecvSequenceLeavesTheTableAsItWas) {
+  Spec short_pool;
+  short_pool.set("r_pages", 5).set("r_expect", "short pool: the transfer needs 3 pages, the pool has 2 free");
+  short_pool.set("expect", "rejected: short pool: the receiver needs 3 pages and has 2 free");
+  EXPECT_EQ(run_world("recv_sequence", {"send"}, short_pool), "");
+  Spec dies;
+  dies.set("sent_layers", 2).set("r_expect", "peer gone");
+  EXPECT_EQ(run_world("recv_sequence", {"send_and_die"}, dies, {3}), "");
+  Spec ok;
+  ok.set("layout", "HND");
+  EXPECT_EQ(run_world("recv_sequence", {"send"}, ok), "");
 }
 
 TEST(Transfer, HeadSlicesGoFromOneRankToTwo) {
