@@ -84,8 +84,11 @@ inline HeadRange tp_head_range(int64_t n_kv_heads, int64_t tp_size, int64_t tp_r
 /// TP group sends `heads` (indices into its own kv heads, ready for
 /// send_pages) to rank `dst_rank` of the destination TP group.
 struct HeadRoute {
+  // cppcheck-suppress unusedStructMember ; read by engines, not by pagedkv
   int64_t src_rank;
+  // cppcheck-suppress unusedStructMember ; read by engines, not by pagedkv
   int64_t dst_rank;
+  // cppcheck-suppress unusedStructMember ; read by engines, not by pagedkv
   HeadRange heads;
 };
 
@@ -271,6 +274,7 @@ inline std::vector<int64_t> words_of(const at::Tensor& t) {
 enum class StagingRole { send = 0, recv = 1 };
 
 inline at::Tensor& staging_slot(StagingRole role) {
+  // cppcheck-suppress constVariable ; handed out by reference, assigned by the caller
   thread_local at::Tensor slots[2];
   return slots[static_cast<int>(role)];
 }
