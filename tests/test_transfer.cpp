@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <string>
@@ -324,10 +325,23 @@ std::string role_recv_sequence(Group& group, const Spec& s) {
   return error;
 }
 
-/// A rank that sends a header of garbage.
-std::string role_send_garbage(Group& group, const Spec&) {
+/// A rank that sends a header of garbage (s.garbage = huge: a well-formed
+/// header, checksum included, announcing INT64_MAX tokens).
+std::string role_send_garbage(Group& group, const Spec& s) {
   namespace w = pagedkv::transfer_wire;
   std::vector<at::Tensor> header{at::arange(w::kHeaderWords, at::kLong)};
+  if (s.str("garbage") == "huge") {
+    const PagedCache<NHD> cache = sender_cache<NHD>(s);
+    std::vector<int64_t> words = pagedkv::transfer_detail::header_words(cache, 3, 13, 1, HeadRange{0, 4});
+    words[w::n_tokens] = std::numeric_limits<int64_t>::max();
+    words[w::n_pages] = words[w::n_tokens] / 5 + 1;
+    words[w::checksum] = w::checksum_of(words.data());
+    header[0] = ints(words);
+    std::vector<at::Tensor> reply{at::zeros({w::kReplyWords}, at::kLong)};
+    group.send(header, 0, w::kHeaderTag)->wait(kTimeout);
+    group.recv(reply, 0, w::kReplyTag)->wait(kTimeout);
+    return reply[0][w::verdict].item<int64_t>() == w::short_pool ? "" : "expected a short_pool verdict";
+  }
   std::vector<at::Tensor> reply{at::zeros({w::kReplyWords}, at::kLong)};
   group.send(header, 0, w::kHeaderTag)->wait(kTimeout);
   group.recv(reply, 0, w::kReplyTag)->wait(kTimeout);
@@ -767,6 +781,8 @@ TEST(Transfer, EveryMismatchIsRejectedOnBothSidesAndTheGroupStaysUsable) {
 TEST(Transfer, AHeaderOfGarbageIsRejected) {
   Spec spec;
   spec.set("from", 1).set("r_expect", "rejected: bad header: not a pagedkv transfer header");
+  EXPECT_EQ(run_world("recv", {"send_garbage"}, spec), "");
+  spec.set("garbage", "huge").set("r_expect", "rejected: short pool: the transfer needs 1844674407370955162 pages");
   EXPECT_EQ(run_world("recv", {"send_garbage"}, spec), "");
 }
 

@@ -473,16 +473,25 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
   mismatch("v quantization (KVFormat)", 0, h[w::v_format]);
   mismatch("scale bytes", 0, h[w::scale_bytes]);
   if (verdict == w::accept) {
+    // Any int64 may arrive: no sum or product is formed before the page
+    // count is known to fit the pool (whose byte size fits int64).
     const int64_t n = h[w::n_pages];
-    const bool sane = h[w::layout] >= 0 && h[w::layout] <= 1 && h[w::n_tokens] >= 0 &&
-                      n == (h[w::n_tokens] + cache.page_size() - 1) / cache.page_size() && h[w::head_begin] >= 0 &&
-                      h[w::head_end] <= h[w::sender_heads] &&
-                      h[w::payload_bytes] ==
-                          cache.n_layers() * 2 * n * slice_bytes(cache.page_size(), cache.n_kv_heads(),
-                                                                 cache.head_dim(), es);
-    if (!sane) {
+    const int64_t ps = cache.page_size();
+    const bool counts = h[w::layout] >= 0 && h[w::layout] <= 1 && h[w::n_tokens] >= 0 &&
+                        n == h[w::n_tokens] / ps + (h[w::n_tokens] % ps != 0 ? 1 : 0) && h[w::head_begin] >= 0 &&
+                        h[w::head_end] <= h[w::sender_heads];
+    if (!counts) {
       verdict = w::bad_header;
-      reason = "bad header: inconsistent layout, token, page or payload counts";
+      reason = "bad header: inconsistent layout, token, page or head counts";
+    } else if (n > cache.n_pages()) {
+      verdict = w::short_pool;
+      detail = cache.n_free();
+      reason = "short pool: the transfer needs " + std::to_string(n) + " pages, more than the pool's " +
+               std::to_string(cache.n_pages());
+    } else if (h[w::payload_bytes] !=
+               cache.n_layers() * 2 * n * slice_bytes(ps, cache.n_kv_heads(), cache.head_dim(), es)) {
+      verdict = w::bad_header;
+      reason = "bad header: the payload size does not match the geometry";
     }
   }
   std::vector<int64_t> pages;
