@@ -19,6 +19,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -348,6 +349,50 @@ std::string role_send_garbage(Group& group, const Spec& s) {
   return reply[0][w::verdict].item<int64_t>() == w::bad_header ? "" : "expected a bad_header verdict";
 }
 
+/// Sends, for every header word but the checksum and the informational
+/// sender_heads, a valid header with that word replaced by a random value
+/// (the checksum recomputed, so validation goes past it). Every one must be
+/// rejected: a header accepted by mistake leaves the receiver waiting for a
+/// payload, which fails this role's reply wait.
+std::string role_send_mutated_headers(Group& group, const Spec& s) {
+  namespace w = pagedkv::transfer_wire;
+  const PagedCache<NHD> cache = sender_cache<NHD>(s);
+  const std::vector<int64_t> valid = pagedkv::transfer_detail::header_words(cache, 3, 13, 1, HeadRange{0, 4});
+  std::mt19937_64 rng(static_cast<uint64_t>(s.num("seed", 1)));
+  std::string error;
+  for (int64_t field = 0; field < w::checksum; ++field) {
+    if (field == w::sender_heads) continue;
+    std::vector<int64_t> words = valid;
+    do {
+      words[static_cast<size_t>(field)] = static_cast<int64_t>(rng() >> (rng() % 63));
+    } while (words[static_cast<size_t>(field)] == valid[static_cast<size_t>(field)]);
+    words[w::checksum] = w::checksum_of(words.data());
+    std::vector<at::Tensor> header{ints(words)};
+    std::vector<at::Tensor> reply{at::zeros({w::kReplyWords}, at::kLong)};
+    group.send(header, 0, w::kHeaderTag)->wait(kTimeout);
+    group.recv(reply, 0, w::kReplyTag)->wait(kTimeout);
+    if (reply[0][w::verdict].item<int64_t>() == w::accept) {
+      error += "field " + std::to_string(field) + " = " + std::to_string(words[static_cast<size_t>(field)]) +
+               " accepted; ";
+    }
+  }
+  return error;
+}
+
+/// Receives what role_send_mutated_headers sends: every call must throw
+/// and leave the cache as it was.
+std::string role_recv_mutated_headers(Group& group, const Spec& s) {
+  PagedCache<NHD> cache = receiver_cache<NHD>(s);
+  const CacheSnapshot before(cache);
+  std::string error;
+  for (int64_t field = 0; field < pagedkv::transfer_wire::checksum - 1; ++field) {
+    error += outcome("rejected", [&] { pagedkv::recv_pages(group, 1, cache, 1, milliseconds(3000)); });
+  }
+  const CacheSnapshot after(cache);
+  if (!bitwise_equal(after.k, before.k) || after.refs != before.refs) error += "; the cache changed";
+  return error;
+}
+
 /// A rank that joins the group and never transfers (until it is killed).
 std::string role_idle(Group&, const Spec&) {
   std::this_thread::sleep_for(kChildLimit);
@@ -496,7 +541,8 @@ const std::map<std::string, Role>& roles() {
       {"send_garbage", role_send_garbage}, {"idle", role_idle},
       {"exchange", role_exchange},   {"send_routes", role_send_routes},
       {"recv_route", role_recv_route}, {"recv_mismatches", role_recv_mismatches},
-      {"bad_args", role_bad_args}, {"recv_sequence", role_recv_sequence}};
+      {"bad_args", role_bad_args}, {"recv_sequence", role_recv_sequence},
+      {"send_mutated_headers", role_send_mutated_headers}, {"recv_mutated_headers", role_recv_mutated_headers}};
   return r;
 }
 
@@ -784,6 +830,14 @@ TEST(Transfer, AHeaderOfGarbageIsRejected) {
   EXPECT_EQ(run_world("recv", {"send_garbage"}, spec), "");
   spec.set("garbage", "huge").set("r_expect", "rejected: short pool: the transfer needs 1844674407370955162 pages");
   EXPECT_EQ(run_world("recv", {"send_garbage"}, spec), "");
+}
+
+TEST(Transfer, EveryHeaderWordWithARandomValueIsRejected) {
+  for (int64_t seed : {1, 2, 3}) {
+    Spec spec;
+    spec.set("seed", seed);
+    EXPECT_EQ(run_world("recv_mutated_headers", {"send_mutated_headers"}, spec), "") << "seed " << seed;
+  }
 }
 
 TEST(Transfer, ATimeoutThrowsAndChangesNothing) {

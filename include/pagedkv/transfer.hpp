@@ -158,6 +158,7 @@ enum Field : int64_t {
   n_pages,
   payload_bytes,  // all messages together
   scale_bytes,    // per layer, reserved for quantized pages: 0
+  first_reserved,  // this word up to the checksum: 0 in version 1
   checksum = kHeaderWords - 1,
 };
 
@@ -454,6 +455,9 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
     verdict = w::bad_header;
     reason = "bad header: protocol version " + std::to_string(h[w::version]) + ", expected " +
              std::to_string(w::kVersion);
+  } else if (std::any_of(h.begin() + w::first_reserved, h.begin() + w::checksum, [](int64_t x) { return x != 0; })) {
+    verdict = w::bad_header;
+    reason = "bad header: reserved words are not 0 (a newer protocol with the same version?)";
   } else if (h[w::transfer_id] != transfer_id) {
     verdict = w::wrong_transfer_id;
     detail = transfer_id;
