@@ -702,8 +702,8 @@ TEST(Transfer, TheReceiverCanBeRankZeroOrTheSender) {
 }
 
 TEST(Transfer, SequencesRoundTripThroughSequenceTables) {
-  // In-process for the table logic: send_sequence -> recv_sequence over a
-  // two-rank group whose rank 1 is a child running role_recv on raw pages.
+  // send_sequence from a table here; rank 1 (a child) receives with
+  // recv_pages and checks the pages and tokens.
   Spec spec;
   spec.set("tokens", 17).set("to", 1).set("from", 0);
   const std::string result = [&] {
@@ -715,16 +715,16 @@ TEST(Transfer, SequencesRoundTripThroughSequenceTables) {
     auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", o);
     Child child("recv", spec, 1, 2, store->getPort());
     auto group = make_group(store, 0, 2);
-    // A table whose sequence 1 holds pages sent_pages(spec), tokens 17.
+    // Sequence 1: 17 tokens (the sender's values), capacity 30: only the 4
+    // pages that hold tokens are sent.
     PagedCache<NHD> cache = sender_cache<NHD>(spec);
     for (int64_t p = 0; p < cache.n_pages(); ++p) cache.free(p);
     SequenceTable<NHD> seqs(cache);
     const int64_t other = seqs.create();
     EXPECT_TRUE(seqs.reserve(other, 3));
     const int64_t seq = seqs.create();
-    EXPECT_TRUE(seqs.prepare_append(seq, 17));
+    EXPECT_TRUE(seqs.reserve(seq, 30));
     seqs.commit_append(seq, 17);
-    // Give it the sender's contents through the pages it actually got.
     const PagedCache<NHD> reference = sender_cache<NHD>(spec);
     for (int64_t layer = 0; layer < cache.n_layers(); ++layer) {
       const auto kv = tokens_of(reference, layer, sent_pages(spec), 17);
