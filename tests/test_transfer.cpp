@@ -16,9 +16,12 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <stdexcept>
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <random>
 #include <sstream>
 #include <string>
@@ -874,6 +877,127 @@ TEST(Transfer, TwoTransfersInOppositeDirectionsInterleave) {
 
 TEST(Transfer, BadArgumentsThrowBeforeAnythingIsSent) {
   EXPECT_EQ(run_world("bad_args", {"idle"}, Spec(), {-1}), "");
+}
+
+// ---- in-process tests: a scripted group (the group is a template parameter) ----
+
+/// A work whose wait runs `complete` (which may throw, as Gloo's does).
+struct FakeWork {
+  std::function<bool()> complete;
+  bool wait(milliseconds /*timeout*/) { return complete(); }
+  void abort() {}
+};
+
+/// A group that records what is sent and serves receives from `inbox`, in
+/// order; receive number `fail_at` and later fail with `failure` when
+/// waited on. A receive into a buffer of another size than its message
+/// fails the test (the receiver must post exactly the announced sizes).
+struct FakeGroup {
+  int rank = 0;
+  std::vector<at::Tensor> sent;
+  std::vector<at::Tensor> inbox;
+  size_t received = 0;
+  size_t fail_at = SIZE_MAX;
+  size_t fail_send_at = SIZE_MAX;
+  std::string failure = "[gloo/transport/tcp/pair.cc:589] Read error: Connection reset by peer";
+
+  int getRank() const { return rank; }
+  int getSize() const { return 2; }
+  std::shared_ptr<FakeWork> send(std::vector<at::Tensor>& tensors, int /*dst*/, int /*tag*/) {
+    const size_t index = sent.size();
+    sent.push_back(tensors[0].clone());
+    const std::string why = failure;
+    const bool fails = index >= fail_send_at;
+    return std::make_shared<FakeWork>(FakeWork{[fails, why] {
+      if (fails) throw std::runtime_error(why);
+      return true;
+    }});
+  }
+  std::shared_ptr<FakeWork> recv(std::vector<at::Tensor>& tensors, int /*src*/, int /*tag*/) {
+    const size_t index = received++;
+    at::Tensor dst = tensors[0];
+    const bool fails = index >= fail_at || index >= inbox.size();
+    const at::Tensor message = fails ? at::Tensor() : inbox[index];
+    const std::string why = failure;
+    return std::make_shared<FakeWork>(FakeWork{[=] {
+      if (fails) throw std::runtime_error(why);
+      EXPECT_EQ(dst.nbytes(), message.nbytes()) << "receive " << index << " posted a buffer of another size";
+      if (dst.nbytes() != message.nbytes()) throw std::runtime_error("size mismatch");
+      std::memcpy(dst.data_ptr(), message.data_ptr(), message.nbytes());
+      return true;
+    }});
+  }
+};
+
+/// The messages send_pages sends for `spec` (its reply accepted).
+std::vector<at::Tensor> recorded_transfer(const Spec& spec) {
+  namespace w = pagedkv::transfer_wire;
+  FakeGroup sender;
+  sender.inbox.push_back(ints({w::kReplyMagic, w::accept, spec.num("id", 1), 0}));
+  const PagedCache<NHD> cache = sender_cache<NHD>(spec);
+  pagedkv::send_pages(sender, 1, cache, ints(sent_pages(spec)), spec.num("tokens", 13), spec.num("id", 1), kTimeout,
+                      sent_heads(spec));
+  return sender.sent;
+}
+
+TEST(TransferInProcess, ARecordedTransferRoundTrips) {
+  Spec spec;
+  spec.set("begin", 1).set("end", 3);
+  FakeGroup receiver;
+  receiver.rank = 1;
+  receiver.inbox = recorded_transfer(spec);
+  ASSERT_EQ(receiver.inbox.size(), 1u + 3u);  // header + one message per layer
+  PagedCache<NHD> cache = receiver_cache<NHD>(spec);
+  const std::vector<int64_t> pages = pagedkv::recv_pages(receiver, 0, cache, 1, kTimeout);
+  EXPECT_EQ(verify(spec, cache, pages), "");
+  ASSERT_EQ(receiver.sent.size(), 1u);  // the reply
+  EXPECT_EQ(receiver.sent[0][pagedkv::transfer_wire::verdict].item<int64_t>(), pagedkv::transfer_wire::accept);
+}
+
+TEST(TransferInProcess, APeerLostAtAnyMessageLeavesTheReceiverAsItWas) {
+  Spec spec;
+  const std::vector<at::Tensor> messages = recorded_transfer(spec);
+  for (const std::string failure : {"Connection reset by peer", "Timed out waiting 300ms for recv operation"}) {
+    for (size_t fail_at = 0; fail_at < messages.size(); ++fail_at) {
+      for_each_layout([&](auto tag) {
+        using L = decltype(tag);
+        FakeGroup receiver;
+        receiver.rank = 1;
+        receiver.inbox = messages;
+        receiver.fail_at = fail_at;
+        receiver.failure = failure;
+        PagedCache<L> cache = receiver_cache<L>(spec);
+        const CacheSnapshot before(cache);
+        expect_error([&] { pagedkv::recv_pages(receiver, 0, cache, 1, kTimeout); },
+                     {fail_at == 0 ? "no header of transfer 1 from rank 0" : "payload of transfer 1 from rank 0",
+                      failure[0] == 'T' ? "timeout" : "peer gone", "rebuild the process group"});
+        before.expect_same(cache, "failure at message " + std::to_string(fail_at));
+      });
+    }
+  }
+  // The staging buffer dropped after the failures is not needed for the next transfer.
+  FakeGroup receiver;
+  receiver.rank = 1;
+  receiver.inbox = messages;
+  PagedCache<HND> cache = receiver_cache<HND>(spec);
+  EXPECT_EQ(verify(spec, cache, pagedkv::recv_pages(receiver, 0, cache, 1, kTimeout)), "");
+}
+
+TEST(TransferInProcess, ASendFailingAtAnyStepThrowsAndLeavesTheSenderAsItWas) {
+  namespace w = pagedkv::transfer_wire;
+  Spec spec;
+  const size_t n_sends = recorded_transfer(spec).size();  // header + 3 layers
+  for (size_t fail_send_at = 0; fail_send_at <= n_sends; ++fail_send_at) {
+    FakeGroup sender;
+    sender.inbox.push_back(ints({w::kReplyMagic, w::accept, 1, 0}));
+    if (fail_send_at == n_sends) sender.fail_at = 0;  // the reply is lost instead
+    sender.fail_send_at = fail_send_at;
+    const PagedCache<HND> cache = sender_cache<HND>(spec);
+    const CacheSnapshot before(cache);
+    expect_error([&] { pagedkv::send_pages(sender, 1, cache, ints(sent_pages(spec)), 13, 1, kTimeout); },
+                 {"pagedkv::send_pages<HND>: transfer 1 to rank 1: ", "peer gone"});
+    before.expect_same(cache, "failure at send " + std::to_string(fail_send_at));
+  }
 }
 
 }  // namespace
