@@ -56,18 +56,22 @@ test-sanitize: deps
 # long: fuzz_paged_cache from the committed seeds in fuzz/corpus/ (new inputs
 # go to fuzz/corpus-run/, a crashing input to build-fuzz/crash-*), then
 # fuzz_sequences (SequenceTable) from fuzz/corpus-sequences/ (new inputs go to
-# fuzz/corpus-sequences-run/, a crashing input to build-fuzz/sequences-crash-*).
+# fuzz/corpus-sequences-run/, a crashing input to build-fuzz/sequences-crash-*),
+# then fuzz_transfer (a receiver fed mutated transfer headers) from
+# fuzz/corpus-transfer/ (new inputs to fuzz/corpus-transfer-run/).
 FUZZ_SECONDS ?= 60
 FUZZ_PACKAGES := cmake make clang-14 libclang-rt-14-dev libtorch-dev
 fuzz:
 	@./scripts/install-deps $(FUZZ_PACKAGES)
 	cmake -S fuzz -B build-fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo
 	cmake --build build-fuzz -j $(JOBS)
-	mkdir -p fuzz/corpus-run fuzz/corpus-sequences-run
+	mkdir -p fuzz/corpus-run fuzz/corpus-sequences-run fuzz/corpus-transfer-run
 	build-fuzz/fuzz_paged_cache -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/ fuzz/corpus-run fuzz/corpus
 	build-fuzz/fuzz_sequences -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/sequences- fuzz/corpus-sequences-run fuzz/corpus-sequences
+	build-fuzz/fuzz_transfer -max_total_time=$(FUZZ_SECONDS) -max_len=512 -timeout=30 -print_final_stats=1 \
+	  -artifact_prefix=build-fuzz/transfer- fuzz/corpus-transfer-run fuzz/corpus-transfer
 
 # cppcheck and clang-tidy over include/ (scripts/lint).
 LINT_PACKAGES := cppcheck clang-tidy-14 libtorch-dev

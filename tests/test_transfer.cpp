@@ -1000,6 +1000,32 @@ TEST(TransferInProcess, ASendFailingAtAnyStepThrowsAndLeavesTheSenderAsItWas) {
   }
 }
 
+TEST(TransferInProcess, AHeadRangeFarOutsideIsRejectedBeforeItsWidthIsComputed) {
+  // Found by fuzz/fuzz_transfer: end - begin overflowed (UBSan) before the
+  // range was checked.
+  namespace w = pagedkv::transfer_wire;
+  Spec spec;
+  const PagedCache<NHD> sender = sender_cache<NHD>(spec);
+  for (const std::pair<int64_t, int64_t>& range :
+       {std::make_pair(std::numeric_limits<int64_t>::min() + 5, int64_t{4}),
+        std::make_pair(int64_t{2}, std::numeric_limits<int64_t>::min()), std::make_pair(int64_t{3}, int64_t{3})}) {
+    std::vector<int64_t> words = pagedkv::transfer_detail::header_words(sender, 3, 13, 1, HeadRange{0, 4});
+    words[w::head_begin] = range.first;
+    words[w::head_end] = range.second;
+    words[w::checksum] = w::checksum_of(words.data());
+    FakeGroup receiver;
+    receiver.rank = 1;
+    receiver.inbox = {ints(words)};
+    PagedCache<NHD> cache = receiver_cache<NHD>(spec.set("r_heads", 4));
+    const CacheSnapshot before(cache);
+    expect_error([&] { pagedkv::recv_pages(receiver, 0, cache, 1, kTimeout); },
+                 {"rejected: bad header: head range [" + std::to_string(range.first)});
+    before.expect_same(cache);
+    ASSERT_EQ(receiver.sent.size(), 1u);
+    EXPECT_EQ(receiver.sent[0][w::verdict].item<int64_t>(), w::bad_header);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {

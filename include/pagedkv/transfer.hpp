@@ -458,6 +458,10 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
   } else if (std::any_of(h.begin() + w::first_reserved, h.begin() + w::checksum, [](int64_t x) { return x != 0; })) {
     verdict = w::bad_header;
     reason = "bad header: reserved words are not 0 (a newer protocol with the same version?)";
+  } else if (!(h[w::head_begin] >= 0 && h[w::head_begin] < h[w::head_end] && h[w::head_end] <= h[w::sender_heads])) {
+    verdict = w::bad_header;  // checked before the width end - begin is formed
+    reason = "bad header: head range [" + std::to_string(h[w::head_begin]) + ", " + std::to_string(h[w::head_end]) +
+             ") is not inside the sender's " + std::to_string(h[w::sender_heads]) + " heads";
   } else if (h[w::transfer_id] != transfer_id) {
     verdict = w::wrong_transfer_id;
     detail = transfer_id;
@@ -467,7 +471,10 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
   mismatch("n_layers", cache.n_layers(), h[w::n_layers]);
   mismatch("page_size", cache.page_size(), h[w::page_size]);
   mismatch("head_dim", cache.head_dim(), h[w::head_dim]);
-  mismatch("n_kv_heads (the width of the sent head range)", cache.n_kv_heads(), h[w::head_end] - h[w::head_begin]);
+  // The head range was checked unless an earlier check failed first.
+  const bool heads_checked = verdict == w::accept || verdict == w::wrong_transfer_id;
+  mismatch("n_kv_heads (the width of the sent head range)", cache.n_kv_heads(),
+           heads_checked ? h[w::head_end] - h[w::head_begin] : cache.n_kv_heads());
   const auto dtype = static_cast<int64_t>(cache.k_cache().scalar_type());
   const bool known_dtype = h[w::dtype] >= 0 && h[w::dtype] < static_cast<int64_t>(c10::ScalarType::NumOptions);
   mismatch("dtype", dtype, h[w::dtype], c10::toString(cache.k_cache().scalar_type()),
@@ -482,11 +489,10 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
     const int64_t n = h[w::n_pages];
     const int64_t ps = cache.page_size();
     const bool counts = h[w::layout] >= 0 && h[w::layout] <= 1 && h[w::n_tokens] >= 0 &&
-                        n == h[w::n_tokens] / ps + (h[w::n_tokens] % ps != 0 ? 1 : 0) && h[w::head_begin] >= 0 &&
-                        h[w::head_end] <= h[w::sender_heads];
+                        n == h[w::n_tokens] / ps + (h[w::n_tokens] % ps != 0 ? 1 : 0);
     if (!counts) {
       verdict = w::bad_header;
-      reason = "bad header: inconsistent layout, token, page or head counts";
+      reason = "bad header: inconsistent layout, token or page counts";
     } else if (n > cache.n_pages()) {
       verdict = w::short_pool;
       detail = cache.n_free();
