@@ -5,9 +5,9 @@ BUILD_TYPE ?= Release
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-DEBIAN_PACKAGES := cmake g++ make libtorch-dev googletest libgtest-dev libbenchmark-dev python3-torch
+DEBIAN_PACKAGES := cmake g++ make libtorch-dev libgloo-dev googletest libgtest-dev libbenchmark-dev python3-torch
 
-.PHONY: deps configure build test example bench clean test-sanitize fuzz lint test-torch2
+.PHONY: deps configure build test example example-disaggregated bench clean test-sanitize fuzz lint test-torch2
 
 deps:
 	@./scripts/install-deps $(DEBIAN_PACKAGES)
@@ -24,6 +24,11 @@ test: build
 example: configure
 	cmake --build $(BUILD) -j $(JOBS) --target attention_loop
 	$(BUILD)/examples/attention_loop
+
+# A prefill and a decode process exchanging KV over Gloo on 127.0.0.1.
+example-disaggregated: configure
+	cmake --build $(BUILD) -j $(JOBS) --target disaggregated
+	$(BUILD)/examples/disaggregated
 
 # The benchmark suite (bench/, one binary) and its report: a markdown table
 # on stdout, docs/bench.md, docs/bench.png and the README's benchmark block.
@@ -59,26 +64,30 @@ test-sanitize: deps
 	cmake --build --preset sanitize -j $(JOBS)
 	ctest --preset sanitize -j $(JOBS)
 
-# libFuzzer on the three operation-script harnesses (fuzz/), each FUZZ_SECONDS
+# libFuzzer on the four harnesses (fuzz/), each FUZZ_SECONDS
 # long: fuzz_paged_cache from the committed seeds in fuzz/corpus/ (new inputs
 # go to fuzz/corpus-run/, a crashing input to build-fuzz/crash-*), then
 # fuzz_sequences (SequenceTable) from fuzz/corpus-sequences/ (new inputs go to
 # fuzz/corpus-sequences-run/, a crashing input to build-fuzz/sequences-crash-*),
 # then fuzz_prefix (PrefixCache) from fuzz/corpus-prefix/ (new inputs go to
-# fuzz/corpus-prefix-run/, a crashing input to build-fuzz/prefix-crash-*).
+# fuzz/corpus-prefix-run/, a crashing input to build-fuzz/prefix-crash-*),
+# then fuzz_transfer (a receiver fed mutated transfer headers) from
+# fuzz/corpus-transfer/ (new inputs to fuzz/corpus-transfer-run/).
 FUZZ_SECONDS ?= 60
 FUZZ_PACKAGES := cmake make clang-14 libclang-rt-14-dev libtorch-dev
 fuzz:
 	@./scripts/install-deps $(FUZZ_PACKAGES)
 	cmake -S fuzz -B build-fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo
 	cmake --build build-fuzz -j $(JOBS)
-	mkdir -p fuzz/corpus-run fuzz/corpus-sequences-run fuzz/corpus-prefix-run
+	mkdir -p fuzz/corpus-run fuzz/corpus-sequences-run fuzz/corpus-prefix-run fuzz/corpus-transfer-run
 	build-fuzz/fuzz_paged_cache -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/ fuzz/corpus-run fuzz/corpus
 	build-fuzz/fuzz_sequences -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/sequences- fuzz/corpus-sequences-run fuzz/corpus-sequences
 	build-fuzz/fuzz_prefix -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/prefix- fuzz/corpus-prefix-run fuzz/corpus-prefix
+	build-fuzz/fuzz_transfer -max_total_time=$(FUZZ_SECONDS) -max_len=512 -timeout=30 -print_final_stats=1 \
+	  -artifact_prefix=build-fuzz/transfer- fuzz/corpus-transfer-run fuzz/corpus-transfer
 
 # cppcheck and clang-tidy over include/ (scripts/lint).
 LINT_PACKAGES := cppcheck clang-tidy-14 libtorch-dev
