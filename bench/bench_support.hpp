@@ -41,6 +41,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -79,6 +80,39 @@ inline const bool kMinTimeDefaultSet = [] {
 #endif
 
 namespace pagedkv_bench {
+
+// ---- the machine, in the JSON output ----
+
+/// The CPU's model name and the vector extensions pagedkv's kernels can
+/// use (from /proc/cpuinfo where there is one), and the instruction set the
+/// attention kernel picks, as custom context of the benchmark's output, so
+/// that bench/report names the machine the numbers come from (never the
+/// machine the report is made on).
+inline std::pair<std::string, std::string> cpu_model_and_extensions() {
+  std::string model = "unknown", flags;
+  if (FILE* f = std::fopen("/proc/cpuinfo", "r")) {
+    char line[8192];
+    while (std::fgets(line, sizeof(line), f) != nullptr) {
+      const std::string l(line);
+      const auto value = [&] {
+        std::string v = l.substr(l.find(':') + 1);
+        v.erase(0, v.find_first_not_of(" \t"));
+        v.erase(v.find_last_not_of(" \t\n") + 1);
+        return v;
+      };
+      if (l.rfind("model name", 0) == 0 && model == "unknown") model = value();
+      if (l.rfind("flags", 0) == 0 && flags.empty()) flags = " " + value() + " ";
+    }
+    std::fclose(f);
+  }
+  std::string extensions;
+  for (const char* ext : {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
+                          "amx_tile", "neon", "asimd"}) {
+    if (flags.find(std::string(" ") + ext + " ") == std::string::npos) continue;
+    extensions += (extensions.empty() ? "" : " ") + std::string(ext);
+  }
+  return {model, extensions.empty() ? "none of avx2/avx512" : extensions};
+}
 
 // ---- threads ----
 
