@@ -101,15 +101,24 @@ inline std::pair<std::string, std::string> cpu_model_and_extensions() {
         return v;
       };
       if (l.rfind("model name", 0) == 0 && model == "unknown") model = value();
-      if (l.rfind("flags", 0) == 0 && flags.empty()) flags = " " + value() + " ";
+      if (l.rfind("flags", 0) == 0 && flags.empty()) {
+        // Appended, not `" " + value() + " "`: g++ 12 -Werror=restrict trips on that (a false positive).
+        flags += ' ';
+        flags += value();
+        flags += ' ';
+      }
     }
     std::fclose(f);
   }
   std::string extensions;
   for (const char* ext : {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
                           "amx_tile", "neon", "asimd"}) {
-    if (flags.find(std::string(" ") + ext + " ") == std::string::npos) continue;
-    extensions += (extensions.empty() ? "" : " ") + std::string(ext);
+    std::string needle(" ");
+    needle += ext;
+    needle += ' ';
+    if (flags.find(needle) == std::string::npos) continue;
+    if (!extensions.empty()) extensions += ' ';
+    extensions += ext;
   }
   return {model, extensions.empty() ? "none of avx2/avx512" : extensions};
 }
