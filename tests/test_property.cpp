@@ -8,6 +8,7 @@
 
 #include <functional>
 #include <map>
+#include <ostream>
 #include <random>
 #include <tuple>
 #include <vector>
@@ -43,6 +44,9 @@ struct Config {
   int64_t page_size;
   at::ScalarType dtype;
 };
+
+/// How gtest (and so ctest's test names) print a Config: "P16_Half", not its bytes.
+void PrintTo(const Config& c, std::ostream* os) { *os << 'P' << c.page_size << '_' << c10::toString(c.dtype); }
 
 class PropertyTest : public ::testing::TestWithParam<std::tuple<Target, Config>> {
  protected:

@@ -163,16 +163,16 @@ void run_item(const Problem<T, Index>& pr, const Work& w, Scratch<RowElement<kCo
         // The G query heads of kv head h, up to kRowsAtOnce at a time: each
         // key and value vector is loaded once for all of them.
         for (int64_t i0 = 0; i0 < G; i0 += kRowsAtOnce) {
-          const int rows = static_cast<int>(std::min<int64_t>(kRowsAtOnce, G - i0));
+          const int group_rows = static_cast<int>(std::min<int64_t>(kRowsAtOnce, G - i0));
           const int64_t r0 = ((s - w.s0) * w.nh + h) * G + i0;
           const float* q[kRowsAtOnce];
           float* acc[kRowsAtOnce];
-          for (int i = 0; i < rows; ++i) {
+          for (int i = 0; i < group_rows; ++i) {
             q[i] = pr.q + ((w.b * pr.n_queries + s) * pr.n_heads + (w.h0 + h) * G + i0 + i) * D;
             acc[i] = acc_all + (r0 + i) * D;
           }
-          Ops::scores(q, rows, keys, visible, D, sc.scores);
-          for (int i = 0; i < rows; ++i) {
+          Ops::scores(q, group_rows, keys, visible, D, sc.scores);
+          for (int i = 0; i < group_rows; ++i) {
             float* scores = sc.scores + i * kKeyBlock;
             const int64_t r = r0 + i;
             const float block_max = *std::max_element(scores, scores + visible);
@@ -184,7 +184,7 @@ void run_item(const Problem<T, Index>& pr, const Work& w, Scratch<RowElement<kCo
             }
             sum[r] += Ops::exp_sum(scores, visible, max[r]);
           }
-          Ops::accumulate(acc, rows, values, sc.scores, visible, D);
+          Ops::accumulate(acc, group_rows, values, sc.scores, visible, D);
         }
       }
     }
