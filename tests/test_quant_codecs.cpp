@@ -1,6 +1,7 @@
 // The fp8 e4m3 and int8 codecs (quant_codecs.hpp): every code against the
 // OCP format's definition, round trips, ties, subnormals, signed zeros,
 // saturation, and every vector path bit for bit against the scalar one.
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <gtest/gtest.h>
 
@@ -205,6 +206,31 @@ TEST(VectorPaths, BitIdenticalOnTenMillionRandomFloats) {
   expect_paths_match_scalar<KVFormat::int8>(x, 0.125f);
 }
 
+TEST(VectorPaths, QuantizeVectorAgreesOnEveryPath) {
+  const std::vector<float> x = random_floats(1 << 16);
+  for (const int64_t n : {1, 15, 16, 17, 64, 128, 131}) {
+    for (size_t start = 0; start + static_cast<size_t>(n) <= x.size(); start += 4099) {
+      std::vector<uint8_t> want(static_cast<size_t>(n));
+      // The scalar reference: amax in order, then encode_e4m3 of x / scale.
+      float amax = 0.0f;
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = std::fabs(x[start + static_cast<size_t>(i)]);
+        amax = a > amax ? a : amax;
+      }
+      const float scale = quant::scale_for(amax, KVFormat::fp8_e4m3);
+      for (int64_t i = 0; i < n; ++i) {
+        want[static_cast<size_t>(i)] = scale > 0.0f ? quant::encode_e4m3(x[start + static_cast<size_t>(i)] / scale) : 0;
+      }
+      for (const Isa isa : pagedkv::attention_kernels::available_isas()) {
+        std::vector<uint8_t> got(static_cast<size_t>(n));
+        const float s = quant::quantize_vector<KVFormat::fp8_e4m3>(isa, x.data() + start, n, got.data());
+        ASSERT_EQ(quant::float_bits(s), quant::float_bits(scale)) << pagedkv::attention_kernels::isa_name(isa);
+        ASSERT_EQ(got, want) << pagedkv::attention_kernels::isa_name(isa) << " n " << n;
+      }
+    }
+  }
+}
+
 TEST(VectorPaths, EveryCodeDecodesIdentically) {
   std::vector<uint8_t> fp8(256);
   std::vector<int8_t> i8(256);
@@ -226,6 +252,40 @@ TEST(VectorPaths, EveryCodeDecodesIdentically) {
     quant::decode_row<KVFormat::int8>(isa, i8.data(), 256, 1.0f, out.data());
     for (int c = 0; c < 256; ++c) EXPECT_EQ(out[static_cast<size_t>(c)], static_cast<float>(i8[static_cast<size_t>(c)]));
   }
+}
+
+/// The dtype conversions of every path give c10's own, bit for bit.
+template <class T>
+void expect_conversions_match_c10(const std::vector<float>& x) {
+  const auto n = static_cast<int64_t>(x.size());
+  std::vector<T> want(x.size());
+  for (size_t i = 0; i < x.size(); ++i) want[i] = static_cast<T>(x[i]);
+  std::vector<float> widened_want(x.size());
+  for (size_t i = 0; i < x.size(); ++i) widened_want[i] = static_cast<float>(want[i]);
+  for (const Isa isa : pagedkv::attention_kernels::available_isas()) {
+    std::vector<T> narrowed(x.size());
+    quant::narrow_row<T>(isa, x.data(), n, narrowed.data());
+    std::vector<float> widened(x.size());
+    quant::widen_row<T>(isa, want.data(), n, widened.data());
+    for (size_t i = 0; i < x.size(); ++i) {
+      if (std::isnan(x[i])) {  // F16C keeps a NaN's payload bits, c10 does not: NaN either way
+        ASSERT_TRUE(std::isnan(static_cast<float>(narrowed[i]))) << pagedkv::attention_kernels::isa_name(isa);
+        continue;
+      }
+      ASSERT_EQ(narrowed[i].x, want[i].x) << pagedkv::attention_kernels::isa_name(isa) << " x = " << x[i];
+      ASSERT_EQ(quant::float_bits(widened[i]), quant::float_bits(widened_want[i]))
+          << pagedkv::attention_kernels::isa_name(isa) << " bits " << want[i].x;
+    }
+  }
+}
+
+TEST(VectorPaths, DtypeConversionsMatchC10) {
+  std::vector<float> x = random_floats(1000000);
+  const std::vector<float> halves = every_fp16();
+  x.insert(x.end(), halves.begin(), halves.end());
+  for (const float h : halves) x.push_back(h * (1.0f + 0x1p-12f));  // between two fp16 values
+  expect_conversions_match_c10<c10::Half>(x);
+  expect_conversions_match_c10<c10::BFloat16>(x);
 }
 
 }  // namespace

@@ -282,6 +282,19 @@ TEST_P(QuantizedCache, SwapAndForkCarryCodesAndScales) {
   host.check();
 }
 
+TEST_P(QuantizedCache, CheckNamesBrokenScales) {
+  PagedCache<NHD> cache(2, 4, 3, 2, 8, opts(at::kHalf), KVQuant{KVFormat::fp8_e4m3, KVFormat::int8});
+  cache.check();
+  const_cast<at::Tensor&>(cache.v_scales()) = at::zeros({2, 4, 5}, opts(at::kFloat));
+  expect_error([&] { cache.check(); }, {"pagedkv::PagedCache<NHD>::check: v_scales has shape [2, 4, 5], expected [2, 4, 6]"});
+  const_cast<at::Tensor&>(cache.v_scales()) = at::zeros({2, 4, 6}, opts(at::kHalf));
+  expect_error([&] { cache.check(); }, {"v_scales has dtype Half, expected Float"});
+  const_cast<at::Tensor&>(cache.v_scales()) = at::Tensor();
+  expect_error([&] { cache.check(); }, {"v_scales is undefined, expected scales for format int8"});
+  const_cast<at::Tensor&>(cache.k_cache()) = at::zeros(cache.k_cache().sizes(), opts(at::kChar));
+  expect_error([&] { cache.check(); }, {"k_cache has dtype Char, expected Byte (K format fp8_e4m3, dtype Half)"});
+}
+
 INSTANTIATE_TEST_SUITE_P(Targets, QuantizedCache, ::testing::ValuesIn(all_targets()), target_name);
 
 /// The ATen path (what CUDA caches take) gives the CPU kernels' codes and

@@ -213,9 +213,14 @@ class PagedCache {
     TORCH_CHECK(k_cache_.scalar_type() == storage_dtype(quant_.k, dtype_), caller, ": k_cache has dtype ",
                 k_cache_.scalar_type(), ", expected ", storage_dtype(quant_.k, dtype_), " (K format ",
                 format_name(quant_.k), ", dtype ", dtype_, ")");
-    TORCH_CHECK(v_cache_.scalar_type() == storage_dtype(quant_.v, dtype_), caller, ": v_cache has dtype ",
-                v_cache_.scalar_type(), ", expected ", storage_dtype(quant_.v, dtype_), " (V format ",
-                format_name(quant_.v), ", dtype ", dtype_, ")");
+    if (quant_.v == quant_.k) {
+      TORCH_CHECK(v_cache_.scalar_type() == k_cache_.scalar_type(), caller, ": v_cache has dtype ",
+                  v_cache_.scalar_type(), ", expected k_cache's ", k_cache_.scalar_type());
+    } else {
+      TORCH_CHECK(v_cache_.scalar_type() == storage_dtype(quant_.v, dtype_), caller, ": v_cache has dtype ",
+                  v_cache_.scalar_type(), ", expected ", storage_dtype(quant_.v, dtype_), " (V format ",
+                  format_name(quant_.v), ", dtype ", dtype_, ")");
+    }
     TORCH_CHECK(v_cache_.device() == k_cache_.device(), caller, ": v_cache is on ", v_cache_.device(),
                 ", expected k_cache's ", k_cache_.device());
     check_scales(caller, "k_scales", k_scales_, quant_.k);

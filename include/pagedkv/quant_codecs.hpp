@@ -76,8 +76,10 @@ inline uint8_t encode_e4m3(float y) noexcept {
 /// 2^(127 - 7) is exact for normal and subnormal codes alike.
 inline float decode_e4m3(uint8_t code) noexcept {
   const uint32_t c = code;
-  const float value = bits_float(((c & 0x80u) << 24) | ((c & 0x7Fu) << 20)) * 0x1p120f;
-  return (c & 0x7Fu) == 0x7Fu ? std::numeric_limits<float>::quiet_NaN() : value;
+  uint32_t bits = ((c & 0x80u) << 24) | ((c & 0x7Fu) << 20);
+  // NaN codes: an integer select (a float one made the loops branch, not vectorise).
+  bits = (c & 0x7Fu) == 0x7Fu ? 0x7FC00000u : bits;
+  return bits_float(bits) * 0x1p120f;
 }
 
 /// int8 code of y (already divided by the scale): round to nearest even,
@@ -128,14 +130,39 @@ inline void decode_loop(const typename Codec<F>::Code* codes,  // [n]
   for (int64_t i = 0; i < n; ++i) out[i] = Codec<F>::decode(codes[i]) * scale;
 }
 
-/// max |x[i]| (NaN ignored); order-free, so every path agrees exactly.
+/// max |x[i]| (NaN ignored); exact in any order, so every path agrees.
+/// 16 lanes folded as a tree: `a > m ? a : m` is exactly a vector max, so
+/// the compiler vectorises it without -ffast-math.
 inline float amax_loop(const float* x, int64_t n) noexcept {  // x: [n]
-  float m = 0.0f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float a = std::fabs(x[i]);
-    m = a > m ? a : m;
+  float m[16] = {};
+  const int64_t full = n - n % 16;
+  for (int64_t i = 0; i < full; i += 16) {
+    for (int l = 0; l < 16; ++l) {
+      const float a = std::fabs(x[i + l]);
+      m[l] = a > m[l] ? a : m[l];
+    }
   }
-  return m;
+  for (int64_t i = full; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    m[0] = a > m[0] ? a : m[0];
+  }
+  for (int l = 0; l < 8; ++l) m[l] = m[l + 8] > m[l] ? m[l + 8] : m[l];
+  for (int l = 0; l < 4; ++l) m[l] = m[l + 4] > m[l] ? m[l + 4] : m[l];
+  for (int l = 0; l < 2; ++l) m[l] = m[l + 2] > m[l] ? m[l + 2] : m[l];
+  return m[1] > m[0] ? m[1] : m[0];
+}
+
+/// The scale of x and its codes (all zero for scale 0); returns the scale.
+template <KVFormat F>
+inline float quantize_loop(const float* x,  // [n]
+                           int64_t n, typename Codec<F>::Code* out) noexcept {  // out: [n]
+  const float scale = scale_for(amax_loop(x, n), F);
+  if (!(scale > 0.0f)) {
+    std::fill(out, out + n, typename Codec<F>::Code{0});
+    return scale;
+  }
+  encode_loop<F>(x, n, scale, out);
+  return scale;
 }
 
 #ifdef PAGEDKV_ATTENTION_AVX2
@@ -143,6 +170,11 @@ template <KVFormat F>
 PAGEDKV_TARGET_AVX2 __attribute__((flatten)) void encode_avx2(const float* x, int64_t n, float scale,
                                                               typename Codec<F>::Code* out) {
   encode_loop<F>(x, n, scale, out);
+}
+template <KVFormat F>
+PAGEDKV_TARGET_AVX2 __attribute__((flatten)) float quantize_avx2(const float* x, int64_t n,
+                                                                 typename Codec<F>::Code* out) {
+  return quantize_loop<F>(x, n, out);
 }
 template <KVFormat F>
 PAGEDKV_TARGET_AVX2 __attribute__((flatten)) void decode_avx2(const typename Codec<F>::Code* codes, int64_t n,
@@ -155,6 +187,11 @@ template <KVFormat F>
 PAGEDKV_TARGET_AVX512 __attribute__((flatten)) void encode_avx512(const float* x, int64_t n, float scale,
                                                                   typename Codec<F>::Code* out) {
   encode_loop<F>(x, n, scale, out);
+}
+template <KVFormat F>
+PAGEDKV_TARGET_AVX512 __attribute__((flatten)) float quantize_avx512(const float* x, int64_t n,
+                                                                     typename Codec<F>::Code* out) {
+  return quantize_loop<F>(x, n, out);
 }
 template <KVFormat F>
 PAGEDKV_TARGET_AVX512 __attribute__((flatten)) void decode_avx512(const typename Codec<F>::Code* codes, int64_t n,
@@ -204,17 +241,143 @@ inline void decode_row(Isa isa, const typename Codec<F>::Code* codes,  // [n]
 template <KVFormat F>
 inline float quantize_vector(Isa isa, const float* x,  // [n]
                              int64_t n, typename Codec<F>::Code* out) {  // out: [n]
-  const float scale = scale_for(amax_loop(x, n), F);
-  encode_row<F>(isa, x, n, scale, out);
-  return scale;
+  switch (isa) {
+#ifdef PAGEDKV_ATTENTION_AVX512
+    case Isa::avx512: return quantize_avx512<F>(x, n, out);
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX2
+    case Isa::avx2: return quantize_avx2<F>(x, n, out);
+#endif
+    default: return quantize_loop<F>(x, n, out);
+  }
 }
 
-/// Elements of T to float32 (exact for the dtypes a cache holds).
+// ---- the logical dtype <-> float32, per instruction set ----
+// c10::Half's own conversions are scalar bit manipulation (a few ns per
+// element: 50x a memcpy of the codes); F16C converts 8 or 16 at once, with
+// the same round to nearest even. bf16 is a shift (widening) and c10's
+// integer round to nearest even (narrowing), which the compiler vectorises.
+
+inline float bf16_to_float(c10::BFloat16 b) noexcept { return bits_float(static_cast<uint32_t>(b.x) << 16); }
+
+/// c10::BFloat16(float)'s rounding (round to nearest even; NaN -> 0x7FC0), branch-free.
+inline c10::BFloat16 float_to_bf16(float f) noexcept {
+  const uint32_t u = float_bits(f);
+  const auto rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return c10::BFloat16((u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : rounded, c10::BFloat16::from_bits());
+}
+
+/// out[i] = float(src[i]), contiguous src.
 template <class T>
-inline void to_float(const char* src, int64_t elem_stride_bytes, int64_t n, float* out) {  // out: [n]
+inline void widen_loop(const T* src, int64_t n, float* out) noexcept {  // src, out: [n]
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(src[i]);
+}
+inline void widen_loop(const c10::BFloat16* src, int64_t n, float* out) noexcept {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(src[i]);
+}
+
+/// out[i] = T(x[i]) with round to nearest even.
+template <class T>
+inline void narrow_loop(const float* x, int64_t n, T* out) noexcept {  // x, out: [n]
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(x[i]);
+}
+inline void narrow_loop(const float* x, int64_t n, c10::BFloat16* out) noexcept {
+  for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(x[i]);
+}
+
+#ifdef PAGEDKV_ATTENTION_AVX2
+template <class T>
+PAGEDKV_TARGET_AVX2 __attribute__((flatten)) void widen_avx2(const T* src, int64_t n, float* out) {
+  widen_loop(src, n, out);
+}
+PAGEDKV_TARGET_AVX2 inline void widen_avx2(const c10::Half* src, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  for (; i < n; ++i) out[i] = static_cast<float>(src[i]);
+}
+template <class T>
+PAGEDKV_TARGET_AVX2 __attribute__((flatten)) void narrow_avx2(const float* x, int64_t n, T* out) {
+  narrow_loop(x, n, out);
+}
+PAGEDKV_TARGET_AVX2 inline void narrow_avx2(const float* x, int64_t n, c10::Half* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (; i < n; ++i) out[i] = static_cast<c10::Half>(x[i]);
+}
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX512
+// GCC 12's AVX-512 conversion intrinsics pass _mm512_undefined_ps() as the
+// masked-off source, which -Wmaybe-uninitialized flags (as isa_avx512.hpp).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+template <class T>
+PAGEDKV_TARGET_AVX512 __attribute__((flatten)) void widen_avx512(const T* src, int64_t n, float* out) {
+  widen_loop(src, n, out);
+}
+PAGEDKV_TARGET_AVX512 inline void widen_avx512(const c10::Half* src, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  }
+  for (; i < n; ++i) out[i] = static_cast<float>(src[i]);
+}
+template <class T>
+PAGEDKV_TARGET_AVX512 __attribute__((flatten)) void narrow_avx512(const float* x, int64_t n, T* out) {
+  narrow_loop(x, n, out);
+}
+PAGEDKV_TARGET_AVX512 inline void narrow_avx512(const float* x, int64_t n, c10::Half* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (; i < n; ++i) out[i] = static_cast<c10::Half>(x[i]);
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
+/// out[i] = float(src[i]) (exact) on instruction set `isa`, contiguous src.
+template <class T>
+inline void widen_row(Isa isa, const T* src, int64_t n, float* out) {  // src, out: [n]
+  switch (isa) {
+#ifdef PAGEDKV_ATTENTION_AVX512
+    case Isa::avx512: return widen_avx512(src, n, out);
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX2
+    case Isa::avx2: return widen_avx2(src, n, out);
+#endif
+    default: return widen_loop(src, n, out);
+  }
+}
+
+/// out[i] = T(x[i]) (round to nearest even, as c10's conversions) on `isa`.
+template <class T>
+inline void narrow_row(Isa isa, const float* x, int64_t n, T* out) {  // x, out: [n]
+  switch (isa) {
+#ifdef PAGEDKV_ATTENTION_AVX512
+    case Isa::avx512: return narrow_avx512(x, n, out);
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX2
+    case Isa::avx2: return narrow_avx2(x, n, out);
+#endif
+    default: return narrow_loop(x, n, out);
+  }
+}
+
+/// Elements of T to float32 (exact for the dtypes a cache holds), any element stride.
+template <class T>
+inline void to_float(Isa isa, const char* src, int64_t elem_stride_bytes, int64_t n, float* out) {  // out: [n]
   if (elem_stride_bytes == static_cast<int64_t>(sizeof(T))) {
-    const T* s = reinterpret_cast<const T*>(src);
-    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(s[i]);
+    widen_row(isa, reinterpret_cast<const T*>(src), n, out);
     return;
   }
   for (int64_t i = 0; i < n; ++i) {

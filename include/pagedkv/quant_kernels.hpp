@@ -55,7 +55,7 @@ void quantize_block(attention_kernels::Isa isa, const char* src, const kernels::
                     const PageGeometry& g, int64_t tokens, float* buf /* [D] */) {
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t h = 0; h < g.n_heads; ++h) {
-      quant::to_float<T>(src + t * ss.token + h * ss.head, ss.elem, g.head_dim, buf);
+      quant::to_float<T>(isa, src + t * ss.token + h * ss.head, ss.elem, g.head_dim, buf);
       const int64_t offset = g.offset(first_slot_token + t, h);
       scales[offset / g.head_dim] = quant::quantize_vector<F>(isa, buf, g.head_dim, codes + offset);
     }
@@ -123,8 +123,7 @@ void dequantize_block(attention_kernels::Isa isa, const typename quant::Codec<F>
     for (int64_t h = 0; h < g.n_heads; ++h) {
       const int64_t offset = g.offset(t, h);
       quant::decode_row<F>(isa, codes + offset, D, scales[offset / D], buf);
-      T* dst = out + (t * g.n_heads + h) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(buf[d]);
+      quant::narrow_row<T>(isa, buf, D, out + (t * g.n_heads + h) * D);
     }
   }
 }
