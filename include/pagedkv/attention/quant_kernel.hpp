@@ -81,17 +81,13 @@ struct QuantScratch {
   }
 };
 
-/// Decodes one stored row to float32, unscaled (codes are never NaN: the
-/// encoder does not produce them, so fp8 decodes without that test).
+/// Decodes one stored row to float32, unscaled.
 template <class T>
 inline void decode_unscaled(KVFormat format, const char* src, int64_t n, float* __restrict out) {  // out: [n]
   switch (format) {
     case KVFormat::fp8_e4m3: {
       const auto* c = reinterpret_cast<const uint8_t*>(src);
-      for (int64_t d = 0; d < n; ++d) {
-        const uint32_t code = c[d];
-        out[d] = quant::bits_float(((code & 0x80u) << 24) | ((code & 0x7Fu) << 20)) * 0x1p120f;
-      }
+      for (int64_t d = 0; d < n; ++d) out[d] = quant::decode_e4m3(c[d]);
       return;
     }
     case KVFormat::int8: {
