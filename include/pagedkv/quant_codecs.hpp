@@ -4,10 +4,11 @@
 // and saturates, and never yields a NaN code; decoding is exact.
 //
 // Every routine is a branch-free scalar function; the row loops over them
-// are compiled three times (portable, AVX2, AVX-512F through target
-// attributes) and chosen at run time with the attention kernel's Isa, so
-// the vector paths run the very same arithmetic: tests check that they are
-// bit-identical to the scalar one on every fp16 input and 10^7 random floats.
+// are compiled for portable and AVX2 (target attributes), and AVX-512 has
+// the same operations in intrinsics (g++ 12 does not vectorise the scalar
+// loops), chosen at run time with the attention kernel's Isa: tests check
+// that every path is bit-identical to the scalar functions on every fp16
+// input and 10^7 random floats.
 #pragma once
 
 #include <c10/util/BFloat16.h>

@@ -1,9 +1,10 @@
 // The CPU paged-attention kernel on quantized pages: keys and values are
 // read as codes plus one float32 scale per (token, head), straight from the
-// pages. Each code row is decoded once per block into a D-float register
-// buffer shared by every query head of its kv head; the K scale is folded
-// into the score (q . k = scale * (q . codes)) and the V scale into the
-// softmax weight, so no dequantized copy of K or V is ever made. Work items,
+// pages. Per work item, each head's block of kKeyBlock code rows is decoded
+// (unscaled) into an L1 tile of floats that the Isa's scores / accumulate
+// kernels share across the query heads of the kv head; the K scale is
+// folded into the score (q . k = scale * (q . codes)) and the V scale into
+// the softmax weight, so no scaled or whole-context copy of K or V is made. Work items,
 // the online softmax and the split merge are the native kernel's
 // (plan.hpp, cpu_kernel.hpp); exp and rescaling use the selected Isa's.
 #pragma once
@@ -15,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "pagedkv/attention/constants.hpp"
@@ -61,7 +63,8 @@ struct QuantScratch {
   std::vector<float> k_scales, v_scales;    // [heads, kKeyBlock]
   std::vector<float> acc, max, sum;         // [rows, D], [rows], [rows]
   std::vector<float> scores;                // [G, kKeyBlock]
-  std::vector<float> row;                   // [D] one decoded key or value
+  std::vector<float> k_tile, v_tile;        // [kKeyBlock, D]: one head's block, decoded, unscaled
+  std::vector<const float*> tile_rows;      // [kKeyBlock]: rows of a tile
 
   static QuantScratch& local(int64_t max_rows, int64_t heads, int64_t group, int64_t head_dim) {
     thread_local QuantScratch sc;
@@ -76,14 +79,27 @@ struct QuantScratch {
     grow(sc.max, max_rows);
     grow(sc.sum, max_rows);
     grow(sc.scores, group * kKeyBlock);
-    grow(sc.row, head_dim);
+    grow(sc.k_tile, kKeyBlock * head_dim);
+    grow(sc.v_tile, kKeyBlock * head_dim);
+    grow(sc.tile_rows, kKeyBlock);
     return sc;
   }
 };
 
-/// Decodes one stored row to float32, unscaled.
-template <class T>
+/// Decodes one stored row to float32, unscaled (Ops: the instruction set;
+/// AVX-512 has the codecs' intrinsics, g++ does not vectorise the scalar ones).
+template <class Ops, class T>
 inline void decode_unscaled(KVFormat format, const char* src, int64_t n, float* __restrict out) {  // out: [n]
+#ifdef PAGEDKV_ATTENTION_AVX512
+  if constexpr (std::is_same<Ops, Avx512>::value) {
+    if (format == KVFormat::fp8_e4m3) {
+      return quant::decode_avx512<KVFormat::fp8_e4m3>(reinterpret_cast<const uint8_t*>(src), n, 1.0f, out);
+    }
+    if (format == KVFormat::int8) {
+      return quant::decode_avx512<KVFormat::int8>(reinterpret_cast<const int8_t*>(src), n, 1.0f, out);
+    }
+  }
+#endif
   switch (format) {
     case KVFormat::fp8_e4m3: {
       const auto* c = reinterpret_cast<const uint8_t*>(src);
@@ -101,21 +117,6 @@ inline void decode_unscaled(KVFormat format, const char* src, int64_t n, float* 
       return;
     }
   }
-}
-
-/// dot(a, b) with 16 independent partial sums folded as a tree: every
-/// step is lane-parallel, so the compiler vectorises all of it without
-/// reassociating a sum (the order is fixed: the same on every path).
-inline float dot16(const float* __restrict a, const float* __restrict b, int64_t n) {  // a, b: [n]
-  float acc[16] = {};
-  int64_t d = 0;
-  for (; d + 16 <= n; d += 16)
-    for (int l = 0; l < 16; ++l) acc[l] += a[d + l] * b[d + l];
-  for (int l = 0; l < 8; ++l) acc[l] += acc[l + 8];
-  for (int l = 0; l < 4; ++l) acc[l] += acc[l + 4];
-  float s = (acc[0] + acc[2]) + (acc[1] + acc[3]);
-  for (; d < n; ++d) s += a[d] * b[d];
-  return s;
 }
 
 /// Points rows[h * kKeyBlock + j] at the stored vector of kv head h0 + h,
@@ -145,7 +146,6 @@ void run_quant_item(const QuantProblem<T, Index>& pr, const Work& w, QuantScratc
   float* acc_all = sc.acc.data();
   float* max = sc.max.data();
   float* sum = sc.sum.data();
-  float* row = sc.row.data();
   std::fill(max, max + rows, -std::numeric_limits<float>::infinity());
   std::fill(sum, sum + rows, 0.0f);
   std::fill(acc_all, acc_all + rows * D, 0.0f);
@@ -164,13 +164,22 @@ void run_quant_item(const QuantProblem<T, Index>& pr, const Work& w, QuantScratc
         const char* const* values = sc.v_rows.data() + h * kKeyBlock;
         const float* k_scales = sc.k_scales.data() + h * kKeyBlock;
         const float* v_scales = sc.v_scales.data() + h * kKeyBlock;
-        // Each key decoded once serves the G query heads of kv head h.
+        // The block's keys of head h decoded once (unscaled) into an L1 tile
+        // of kKeyBlock x D floats, scored by the Isa's kernel for kRowsAtOnce
+        // query heads at a time; the K scale multiplies each score.
         for (int64_t j = 0; j < visible; ++j) {
-          decode_unscaled<T>(pr.k.format, keys[j], D, row);
-          for (int64_t i = 0; i < G; ++i) sc.scores[i * kKeyBlock + j] = dot16(q0 + i * D, row, D) * k_scales[j];
+          decode_unscaled<Ops, T>(pr.k.format, keys[j], D, sc.k_tile.data() + j * D);
+          sc.tile_rows[static_cast<size_t>(j)] = sc.k_tile.data() + j * D;
+        }
+        for (int64_t i0 = 0; i0 < G; i0 += kRowsAtOnce) {
+          const int n_rows = static_cast<int>(std::min<int64_t>(kRowsAtOnce, G - i0));
+          const float* q[kRowsAtOnce];
+          for (int i = 0; i < n_rows; ++i) q[i] = q0 + (i0 + i) * D;
+          Ops::scores(q, n_rows, sc.tile_rows.data(), visible, D, sc.scores.data() + i0 * kKeyBlock);
         }
         for (int64_t i = 0; i < G; ++i) {
           float* scores = sc.scores.data() + i * kKeyBlock;
+          for (int64_t j = 0; j < visible; ++j) scores[j] *= k_scales[j];
           const int64_t r = r0 + i;
           const float block_max = *std::max_element(scores, scores + visible);
           if (block_max > max[r]) {
@@ -180,14 +189,18 @@ void run_quant_item(const QuantProblem<T, Index>& pr, const Work& w, QuantScratc
             max[r] = block_max;
           }
           sum[r] += Ops::exp_sum(scores, visible, max[r]);
+          // The softmax weight times the V scale: what the unscaled values need.
+          for (int64_t j = 0; j < visible; ++j) scores[j] *= v_scales[j];
         }
         for (int64_t j = 0; j < visible; ++j) {
-          decode_unscaled<T>(pr.v.format, values[j], D, row);
-          for (int64_t i = 0; i < G; ++i) {
-            const float weight = sc.scores[i * kKeyBlock + j] * v_scales[j];
-            float* __restrict acc = acc_all + (r0 + i) * D;
-            for (int64_t d = 0; d < D; ++d) acc[d] += weight * row[d];
-          }
+          decode_unscaled<Ops, T>(pr.v.format, values[j], D, sc.v_tile.data() + j * D);
+          sc.tile_rows[static_cast<size_t>(j)] = sc.v_tile.data() + j * D;
+        }
+        for (int64_t i0 = 0; i0 < G; i0 += kRowsAtOnce) {
+          const int n_rows = static_cast<int>(std::min<int64_t>(kRowsAtOnce, G - i0));
+          float* acc[kRowsAtOnce];
+          for (int i = 0; i < n_rows; ++i) acc[i] = acc_all + (r0 + i0 + i) * D;
+          Ops::accumulate(acc, n_rows, sc.tile_rows.data(), sc.scores.data() + i0 * kKeyBlock, visible, D);
         }
       }
     }
