@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "bench_support.hpp"
@@ -32,6 +33,7 @@ struct AttentionSpec {
   int64_t tokens;  ///< context length of every sequence (the new token included)
   at::ScalarType dtype = at::kHalf;
   bool with_reference = true;  ///< gather + ATen is 20-40x slower: only on the main rows
+  pagedkv::KVQuant quant = {};  ///< quantized pages: codes + scales are the bytes read
 };
 
 /// gather + ATen attention, the way an engine without a paged kernel does
@@ -61,10 +63,17 @@ struct AttentionFixture {
   explicit AttentionFixture(const AttentionSpec& spec) {
     const int64_t cols = pages_for(spec.tokens);
     cache = std::make_unique<PagedCache<Layout>>(1, spec.batch * cols, kPageSize, kHeads, kHeadDim,
-                                                 at::TensorOptions().dtype(spec.dtype));
-    fill_pattern(cache->k_cache(), 21);
-    fill_pattern(cache->v_cache(), 22);
+                                                 at::TensorOptions().dtype(spec.dtype), spec.quant);
     table = shuffled_page_table(cache->pool(), spec.batch, cols, 17);
+    if (pagedkv::is_quantized(spec.quant)) {
+      // Real codes and scales (a byte pattern would leave the scales 0).
+      at::manual_seed(21);
+      cache->write(0, table, 0, at::randn({spec.batch, spec.tokens, kHeads, kHeadDim}).to(spec.dtype),
+                   at::randn({spec.batch, spec.tokens, kHeads, kHeadDim}).to(spec.dtype));
+    } else {
+      fill_pattern(cache->k_cache(), 21);
+      fill_pattern(cache->v_cache(), 22);
+    }
     lengths = at::full({spec.batch}, spec.tokens, at::kLong);
     q = at::randn({spec.batch, 1, kQueryHeads, kHeadDim}).to(spec.dtype);
     scale = 1.0 / std::sqrt(static_cast<double>(kHeadDim));
@@ -72,7 +81,14 @@ struct AttentionFixture {
     verify();
   }
 
-  static int64_t bytes(const AttentionSpec& spec) { return 2 * spec.batch * spec.tokens * kTokenBytes; }
+  /// K and V bytes read: codes (1 byte per element) plus a float32 scale
+  /// per head vector on a quantized side.
+  static int64_t bytes(const AttentionSpec& spec) {
+    const auto side = [&](pagedkv::KVFormat f) {
+      return pagedkv::is_quantized(f) ? kHeads * (kHeadDim + 4) : kTokenBytes;
+    };
+    return spec.batch * spec.tokens * (side(spec.quant.k) + side(spec.quant.v));
+  }
 
   pagedkv::CacheView<Layout> view() const { return cache->bind(table, lengths); }
   at::Tensor run() const { return pagedkv::paged_attention(view(), 0, q, scale); }
@@ -127,6 +143,17 @@ void register_layout(const std::string& layout) {
       const bool main_row = dtype == at::kHalf && threads.empty();
       register_attention<Layout>({prefix + "/B32xT2048" + threads, 32, 2048, dtype, main_row});
       register_attention<Layout>({prefix + "/B1xT32768" + threads, 1, 32768, dtype, main_row});
+    }
+  }
+  // Quantized pages (fp16 logical dtype), beside the fp16 rows above: the
+  // target is fp8 <= 0.6x the fp16 time at 1 and at 2 threads.
+  using pagedkv::KVFormat;
+  for (const auto& [name, format] : {std::make_pair(std::string("fp8"), KVFormat::fp8_e4m3),
+                                     std::make_pair(std::string("int8"), KVFormat::int8)}) {
+    const std::string prefix = "attention_decode/" + layout + "/" + name;
+    for (const std::string threads : {"", "/1thread"}) {
+      register_attention<Layout>({prefix + "/B32xT2048" + threads, 32, 2048, at::kHalf, false, {format, format}});
+      register_attention<Layout>({prefix + "/B1xT32768" + threads, 1, 32768, at::kHalf, false, {format, format}});
     }
   }
 }

@@ -24,6 +24,7 @@
 //                  [--dtype float32|float16|bfloat16] [--page-size 16]
 //                  [--max-prompt 200] [--seed 0] [--samples 1]
 //                  [--attention paged|gather] [--shared-prefix 0]
+//                  [--kv-format native|fp8|int8] [--k-format F] [--v-format F]
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -53,6 +54,7 @@ struct Options {
   int64_t samples = 1;
   std::string attention = "paged";
   int64_t shared_prefix = 0;
+  pagedkv::KVQuant quant;  // --kv-format, --k-format, --v-format
 };
 
 constexpr int64_t kLayers = 4;
@@ -81,6 +83,10 @@ void usage(const char* argv0) {
       "  --shared-prefix N   every prompt starts with the same N tokens; requests arrive in two\n"
       "                      waves and a PrefixCache lets the second skip the cached prefix's\n"
       "                      prefill (default 0: no prefix cache)\n"
+      "  --kv-format F       K and V pages: native (the dtype), fp8 (e4m3) or int8, one byte per\n"
+      "                      element plus a float32 scale per (token, head) (default native)\n"
+      "  --k-format F        K pages only (keys with outlier channels suit fp8)\n"
+      "  --v-format F        V pages only\n"
       "  --help              this text\n",
       argv0);
 }
@@ -100,7 +106,17 @@ bool parse(int argc, char** argv, Options& o) {
     char* end = nullptr;
     const long long number = std::strtoll(value.c_str(), &end, 10);
     const bool numeric = end != value.c_str() && *end == '\0';
-    if (arg == "--layout" && (value == "nhd" || value == "hnd")) {
+    const bool format = value == "native" || value == "fp8" || value == "int8";
+    const pagedkv::KVFormat f = value == "fp8"    ? pagedkv::KVFormat::fp8_e4m3
+                                : value == "int8" ? pagedkv::KVFormat::int8
+                                                  : pagedkv::KVFormat::native;
+    if (arg == "--kv-format" && format) {
+      o.quant = {f, f};
+    } else if (arg == "--k-format" && format) {
+      o.quant.k = f;
+    } else if (arg == "--v-format" && format) {
+      o.quant.v = f;
+    } else if (arg == "--layout" && (value == "nhd" || value == "hnd")) {
       o.layout = value;
     } else if (arg == "--attention" && (value == "paged" || value == "gather")) {
       o.attention = value;
@@ -211,8 +227,9 @@ struct PagedSide {
   pagedkv::PagedCache<Layout> cache;
   pagedkv::SequenceTable<Layout> seqs;
 
-  PagedSide(int64_t n_pages, int64_t page_size, at::ScalarType dtype)
-      : cache(kLayers, n_pages, page_size, kKvHeads, kHeadDim, at::TensorOptions().dtype(dtype)), seqs(cache) {}
+  PagedSide(int64_t n_pages, int64_t page_size, at::ScalarType dtype, pagedkv::KVQuant quant)
+      : cache(kLayers, n_pages, page_size, kKvHeads, kHeadDim, at::TensorOptions().dtype(dtype), quant),
+        seqs(cache) {}
 
   /// Pages for n more tokens at the end of `seq` (copy-on-write of a shared page).
   void prepare(int64_t seq, int64_t n) {
@@ -266,13 +283,16 @@ int run(const Options& o) {
   std::printf("batch %lld, prompt lengths", static_cast<long long>(o.batch));
   for (int64_t len : prompt_lens) std::printf(" %lld", static_cast<long long>(len));
   std::printf(", %lld decode steps, %s attention", static_cast<long long>(o.steps), o.attention.c_str());
+  if (pagedkv::is_quantized(o.quant)) {
+    std::printf(", K pages %s, V pages %s", pagedkv::format_name(o.quant.k), pagedkv::format_name(o.quant.v));
+  }
   if (o.samples > 1) std::printf(", %lld sampled continuations per prompt", static_cast<long long>(o.samples));
   if (o.shared_prefix > 0) std::printf(", a shared prefix of %lld tokens", static_cast<long long>(o.shared_prefix));
   std::printf("\n");
 
   // ---- the paged run ----
   // every sequence can hold max_len tokens without sharing: the pool never runs short
-  PagedSide<Layout> paged(rows * ((max_len + o.page_size - 1) / o.page_size), o.page_size, kv_dtype);
+  PagedSide<Layout> paged(rows * ((max_len + o.page_size - 1) / o.page_size), o.page_size, kv_dtype, o.quant);
   std::vector<int64_t> order;  // decode row -> sequence id: prompt b's samples at rows b*samples ...
   std::vector<at::Tensor> paged_out;  // per step: [B, hidden] after the prefill, then [B * samples, hidden]
   // With --shared-prefix: the prefix cache, attached to the table; the
@@ -409,11 +429,26 @@ int run(const Options& o) {
   const int64_t prefill_tokens = std::accumulate(prompt_lens.begin(), prompt_lens.end(), int64_t{0});
   const int64_t decode_tokens = rows * o.steps;
   const int64_t elem = static_cast<int64_t>(c10::elementSize(kv_dtype));
-  const int64_t page_bytes = 2 * kLayers * o.page_size * kKvHeads * kHeadDim * elem;  // k and v, every layer
+  // K and V of one token, every layer: elements of the dtype, or one-byte
+  // codes plus a float32 scale per head on a quantized side.
+  const auto side_bytes = [&](pagedkv::KVFormat f) {
+    return kLayers * kKvHeads * (pagedkv::is_quantized(f) ? kHeadDim + 4 : kHeadDim * elem);
+  };
+  const int64_t token_bytes = side_bytes(o.quant.k) + side_bytes(o.quant.v);
+  const int64_t native_token_bytes = 2 * kLayers * kKvHeads * kHeadDim * elem;
+  const int64_t page_bytes = o.page_size * token_bytes;  // k and v, every layer
   const int64_t paged_bytes = paged.pages_in_use() * page_bytes;
   const int64_t max_context = max_len;  // what contiguous buffers must reserve for every sequence
   const int64_t contiguous_bytes = 2 * kLayers * rows * max_context * kKvHeads * kHeadDim * elem;
   std::printf("max abs difference vs contiguous: %g over %zu steps\n", max_diff, paged_out.size());
+  if (pagedkv::is_quantized(o.quant)) {
+    std::printf("bytes per token (K and V, %lld layers): %lld quantized vs %lld %s: %lld saved (%.0f%%)\n",
+                static_cast<long long>(kLayers), static_cast<long long>(token_bytes),
+                static_cast<long long>(native_token_bytes), o.dtype.c_str(),
+                static_cast<long long>(native_token_bytes - token_bytes),
+                100.0 * static_cast<double>(native_token_bytes - token_bytes) /
+                    static_cast<double>(native_token_bytes));
+  }
   std::printf("prefill: %lld tokens in %.1f ms (%.0f tokens/s)\n", static_cast<long long>(prefill_tokens),
               prefill_s * 1e3, static_cast<double>(prefill_tokens) / prefill_s);
   std::printf("decode: %lld tokens in %.1f ms (%.0f tokens/s)\n", static_cast<long long>(decode_tokens),
@@ -456,10 +491,14 @@ int run(const Options& o) {
   // paged: the kernel's float32 summation order and exp differ from ATen's
   // (~1e-6 relative); in fp16/bf16 a result near a rounding boundary can
   // round the other way (an ulp: 2^-11 / 2^-8 relative) and carry on.
-  const double tolerance = !paged_attention            ? 1e-6
-                            : kv_dtype == at::kFloat   ? 1e-4
-                            : kv_dtype == at::kHalf    ? 1e-2
-                                                       : 5e-2;
+  // Quantized pages: the contiguous run keeps K/V exact, so the difference
+  // is the quantization error carried through the layers (fp8: 2^-4
+  // relative per element; int8: scale / 2): a sanity bound, not a match.
+  const double tolerance = pagedkv::is_quantized(o.quant) ? 0.5
+                            : !paged_attention            ? 1e-6
+                            : kv_dtype == at::kFloat      ? 1e-4
+                            : kv_dtype == at::kHalf       ? 1e-2
+                                                          : 5e-2;
   if (!(max_diff <= tolerance)) {
     std::fprintf(stderr, "FAILED: the paged run differs from the contiguous run by %g (tolerance %g)\n", max_diff,
                  tolerance);

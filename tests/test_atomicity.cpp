@@ -39,14 +39,32 @@ void expect_atomic_failure(const Cache& cache, const std::string& fragment, F&& 
   expect_unchanged(before, cache);
 }
 
+/// The page formats of the quantized instantiation (QuantizedTargets):
+/// every test also runs on a cache with fp8 keys and int8 values, so a
+/// failed call must leave codes and scales alone too.
+bool quantized_target(const pagedkv_test::Target& target) {
+  return std::string(target.name).find("_fp8_int8") != std::string::npos;
+}
+
+std::vector<pagedkv_test::Target> quantized_targets() {
+  return {{at::kCPU, pagedkv::Backend::automatic, "cpu_fp8_int8"},
+          {at::kCPU, pagedkv::Backend::generic, "cpu_generic_fp8_int8"},
+          {at::kCUDA, pagedkv::Backend::automatic, "cuda_fp8_int8"}};
+}
+
 class Atomicity : public TargetTest {
  protected:
+  pagedkv::KVQuant quant() const {
+    return quantized_target(GetParam()) ? pagedkv::KVQuant{pagedkv::KVFormat::fp8_e4m3, pagedkv::KVFormat::int8}
+                                        : pagedkv::KVQuant{};
+  }
+
   at::TensorOptions opts() const { return TargetTest::opts(at::kHalf); }
 
   /// A cache whose 12 allocated pages all hold distinct data, some shared
   /// (ref_count 2), 4 pages free.
   PagedCache<pagedkv::NHD> make_cache() const {
-    PagedCache<pagedkv::NHD> cache(kLayers, kPages, kPageSize, kHeads, kHeadDim, opts());
+    PagedCache<pagedkv::NHD> cache(kLayers, kPages, kPageSize, kHeads, kHeadDim, opts(), quant());
     const auto pages = cache.alloc_n(12);
     cache.retain(pages[2]);
     cache.retain(pages[5]);
@@ -202,7 +220,7 @@ TEST_P(Atomicity, WriteWithAStartPosOfTheWrongSize) {
 // ---- a wide batch: a kernel that wrote while validating would be caught ----
 
 TEST_P(Atomicity, WideBatchWhoseLastRowFails) {
-  PagedCache<pagedkv::NHD> cache(1, 64, 4, kHeads, kHeadDim, opts());
+  PagedCache<pagedkv::NHD> cache(1, 64, 4, kHeads, kHeadDim, opts(), quant());
   const auto pages = cache.alloc_n(64);
   std::vector<std::vector<int64_t>> rows;
   for (int64_t r = 0; r < 16; ++r) rows.push_back({pages[4 * r], pages[4 * r + 1], pages[4 * r + 2], pages[4 * r + 3]});
@@ -260,6 +278,8 @@ TEST_P(Atomicity, FailedGatherAndBindChangeNothing) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, Atomicity, ::testing::ValuesIn(pagedkv_test::all_targets()),
+                         pagedkv_test::target_name);
+INSTANTIATE_TEST_SUITE_P(QuantizedTargets, Atomicity, ::testing::ValuesIn(quantized_targets()),
                          pagedkv_test::target_name);
 
 // ---- construction ----

@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <functional>
 #include <map>
 #include <ostream>
@@ -43,10 +45,43 @@ struct Model {
 struct Config {
   int64_t page_size;
   at::ScalarType dtype;
+  pagedkv::KVQuant quant = {};
 };
 
-/// How gtest (and so ctest's test names) print a Config: "P16_Half", not its bytes.
-void PrintTo(const Config& c, std::ostream* os) { *os << 'P' << c.page_size << '_' << c10::toString(c.dtype); }
+/// How gtest (and so ctest's test names) print a Config: "P16_Half" (and
+/// "_Kfp8_e4m3_Vint8" for quantized pages), not its bytes.
+void PrintTo(const Config& c, std::ostream* os) {
+  *os << 'P' << c.page_size << '_' << c10::toString(c.dtype);
+  if (pagedkv::is_quantized(c.quant))
+    *os << "_K" << pagedkv::format_name(c.quant.k) << "_V" << pagedkv::format_name(c.quant.v);
+}
+
+/// What a gather returns for a written row [heads * dim] of one side: the
+/// row itself (native), or each head vector quantized and dequantized with
+/// the scalar codecs, then rounded to the cache's dtype.
+std::vector<float> stored(const std::vector<float>& row, pagedkv::KVFormat format, at::ScalarType dtype,
+                          int64_t dim) {
+  if (!pagedkv::is_quantized(format)) return row;
+  namespace quant = pagedkv::quant;
+  std::vector<float> out(row.size());
+  for (size_t h = 0; h < row.size(); h += static_cast<size_t>(dim)) {
+    float amax = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(row[h + static_cast<size_t>(d)]));
+    const float scale = quant::scale_for(amax, format);
+    for (int64_t d = 0; d < dim; ++d) {
+      const float x = row[h + static_cast<size_t>(d)];
+      float value = 0.0f;
+      if (scale > 0.0f) {
+        value = format == pagedkv::KVFormat::int8 ? quant::decode_int8(quant::encode_int8(x / scale)) * scale
+                                                  : quant::decode_e4m3(quant::encode_e4m3(x / scale)) * scale;
+      }
+      out[h + static_cast<size_t>(d)] = dtype == at::kHalf       ? static_cast<float>(c10::Half(value))
+                                        : dtype == at::kBFloat16 ? static_cast<float>(c10::BFloat16(value))
+                                                                 : value;
+    }
+  }
+  return out;
+}
 
 class PropertyTest : public ::testing::TestWithParam<std::tuple<Target, Config>> {
  protected:
@@ -69,7 +104,7 @@ void PropertyTest::run(uint64_t seed, int steps) {
   const int64_t n_layers = 2, n_pages = 24, heads = 2, dim = 3, P = config.page_size;
   const int64_t row = heads * dim;
   const auto opts = at::TensorOptions().dtype(config.dtype).device(target.device);
-  PagedCache<L> cache(n_layers, n_pages, P, heads, dim, opts);
+  PagedCache<L> cache(n_layers, n_pages, P, heads, dim, opts, config.quant);
   Model model;
   model.refs.assign(static_cast<size_t>(n_pages), 0);
   std::mt19937_64 rng(seed);
@@ -208,8 +243,8 @@ void PropertyTest::run(uint64_t seed, int steps) {
           const auto slot = std::make_tuple(layer, rows[static_cast<size_t>(b)][static_cast<size_t>(pos / P)], pos % P);
           const auto first = k_host.begin() + (b * S + s) * row;
           const auto first_v = v_host.begin() + (b * S + s) * row;
-          model.k[slot].assign(first, first + row);
-          model.v[slot].assign(first_v, first_v + row);
+          model.k[slot] = stored(std::vector<float>(first, first + row), config.quant.k, config.dtype, dim);
+          model.v[slot] = stored(std::vector<float>(first_v, first_v + row), config.quant.v, config.dtype, dim);
         }
       }
       // Make slots written by several rows unambiguous: write them again from one row.
@@ -218,8 +253,8 @@ void PropertyTest::run(uint64_t seed, int steps) {
         const at::Tensor fix_k = pagedkv_test::pattern({1, 1, heads, dim}, step, opts);
         const int64_t page = std::get<1>(w.first), off = std::get<2>(w.first);
         cache.write(layer, pagedkv_test::table({{page}}), off, fix_k, fix_k);
-        model.k[w.first] = host_floats(fix_k);
-        model.v[w.first] = host_floats(fix_k);
+        model.k[w.first] = stored(host_floats(fix_k), config.quant.k, config.dtype, dim);
+        model.v[w.first] = stored(host_floats(fix_k), config.quant.v, config.dtype, dim);
       }
     } else {  // gather
       const int64_t batch = uniform(0, 3), cols = uniform(1, 4), layer = uniform(0, n_layers - 1);
@@ -287,13 +322,24 @@ std::vector<Config> configs() {
   std::vector<Config> out;
   for (int64_t p : {1, 3, 16})
     for (at::ScalarType d : {at::kFloat, at::kHalf, at::kBFloat16}) out.push_back({p, d});
+  // Quantized pages: the model holds each row quantized and dequantized.
+  using pagedkv::KVFormat;
+  for (int64_t p : {1, 3, 16}) {
+    out.push_back({p, at::kHalf, {KVFormat::fp8_e4m3, KVFormat::int8}});
+    out.push_back({p, at::kBFloat16, {KVFormat::int8, KVFormat::native}});
+    out.push_back({p, at::kFloat, {KVFormat::native, KVFormat::fp8_e4m3}});
+  }
   return out;
 }
 
 std::string name(const ::testing::TestParamInfo<std::tuple<Target, Config>>& info) {
   const Config c = std::get<1>(info.param);
+  std::string formats;
+  if (pagedkv::is_quantized(c.quant)) {
+    formats = std::string("_K") + pagedkv::format_name(c.quant.k) + "_V" + pagedkv::format_name(c.quant.v);
+  }
   return std::string(std::get<0>(info.param).name) + "_P" + std::to_string(c.page_size) + "_" +
-         std::string(c10::toString(c.dtype));
+         std::string(c10::toString(c.dtype)) + formats;
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, PropertyTest,

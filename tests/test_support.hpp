@@ -120,12 +120,17 @@ void expect_error(Call&& call, const std::vector<std::string>& parts) {
 /// What a failed call must leave as it was: K/V storage (a cpu copy), every ref_count, n_free.
 struct CacheSnapshot {
   at::Tensor k, v;
+  at::Tensor k_scales, v_scales;  // undefined for a native side
   std::vector<int64_t> refs;
   int64_t n_free;
 
   template <class Cache>
   explicit CacheSnapshot(const Cache& cache)
-      : k(cache.k_cache().cpu().clone()), v(cache.v_cache().cpu().clone()), n_free(cache.n_free()) {
+      : k(cache.k_cache().cpu().clone()),
+        v(cache.v_cache().cpu().clone()),
+        k_scales(cache.k_scales().defined() ? cache.k_scales().cpu().clone() : at::Tensor()),
+        v_scales(cache.v_scales().defined() ? cache.v_scales().cpu().clone() : at::Tensor()),
+        n_free(cache.n_free()) {
     for (int64_t p = 0; p < cache.n_pages(); ++p) refs.push_back(cache.ref_count(p));
   }
 
@@ -135,6 +140,14 @@ struct CacheSnapshot {
     const std::string prefix = what.empty() ? "" : what + ": ";
     EXPECT_TRUE(bitwise_equal(cache.k_cache(), k)) << prefix << "k_cache changed";
     EXPECT_TRUE(bitwise_equal(cache.v_cache(), v)) << prefix << "v_cache changed";
+    EXPECT_EQ(cache.k_scales().defined(), k_scales.defined()) << prefix << "k_scales";
+    if (k_scales.defined()) {
+      EXPECT_TRUE(bitwise_equal(cache.k_scales(), k_scales)) << prefix << "k_scales changed";
+    }
+    EXPECT_EQ(cache.v_scales().defined(), v_scales.defined()) << prefix << "v_scales";
+    if (v_scales.defined()) {
+      EXPECT_TRUE(bitwise_equal(cache.v_scales(), v_scales)) << prefix << "v_scales changed";
+    }
     EXPECT_EQ(cache.n_free(), n_free) << what;
     for (int64_t p = 0; p < cache.n_pages(); ++p)
       EXPECT_EQ(cache.ref_count(p), refs[static_cast<size_t>(p)]) << prefix << "page " << p;

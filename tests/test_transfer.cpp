@@ -1026,6 +1026,28 @@ TEST(TransferInProcess, AHeadRangeFarOutsideIsRejectedBeforeItsWidthIsComputed) 
   }
 }
 
+
+// Quantized pages do not travel yet (the payload carries one dtype): both
+// sides refuse before any message, and change nothing.
+TEST(TransferInProcess, QuantizedCachesThrowBeforeAnyMessage) {
+  PagedCache<NHD> cache(1, 4, 4, 2, 8, at::TensorOptions().dtype(at::kFloat),
+                        pagedkv::KVQuant{pagedkv::KVFormat::fp8_e4m3, pagedkv::KVFormat::int8});
+  const int64_t page = cache.alloc();
+  FakeGroup sender;
+  expect_error([&] { pagedkv::send_pages(sender, 1, cache, ints({page}), 4, 1, kTimeout); },
+               {"pagedkv::send_pages<NHD>: argument 'cache' expected native pages", "K fp8_e4m3, V int8"});
+  EXPECT_TRUE(sender.sent.empty());
+  FakeGroup receiver;
+  receiver.rank = 1;
+  receiver.inbox = recorded_transfer(Spec());
+  const CacheSnapshot before(cache);
+  expect_error([&] { pagedkv::recv_pages(receiver, 0, cache, 1, kTimeout); },
+               {"pagedkv::recv_pages<NHD>: argument 'cache' expected native pages"});
+  EXPECT_EQ(receiver.received, 0u);
+  EXPECT_TRUE(receiver.sent.empty());
+  before.expect_same(cache);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {

@@ -20,6 +20,7 @@
 
 #include "pagedkv/attention/cpu_kernel.hpp"
 #include "pagedkv/attention/generic.hpp"
+#include "pagedkv/attention/quant_kernel.hpp"
 #include "pagedkv/cache_view.hpp"
 #include "pagedkv/checks.hpp"
 #include "pagedkv/kernels.hpp"
@@ -41,7 +42,7 @@ at::Tensor paged_attention(const CacheView<Layout>& view, int64_t layer,
   const checks::Caller caller{"paged_attention", Layout::name, nullptr};
   const PagedCache<Layout>& cache = view.cache();
   const PageGeometry& g = cache.geometry();
-  const at::ScalarType dtype = cache.k_cache().scalar_type();
+  const at::ScalarType dtype = cache.dtype();
   checks::layer(caller, layer, cache.n_layers());
   checks::attention_dtype(caller, dtype);
   checks::page_table(caller, view.page_table(), cache.device());
@@ -60,6 +61,13 @@ at::Tensor paged_attention(const CacheView<Layout>& view, int64_t layer,
     // Validated: from here on nothing throws.
     if (batch == 0 || n_queries == 0) return at::empty(q.sizes(), q.options());
     const double s = scale > 0.0 ? scale : 1.0 / std::sqrt(static_cast<double>(g.head_dim));
+    if (is_quantized(cache.quant())) {
+      if (!kernels::use_cpu_kernels(cache.device())) {
+        return attention_kernels::attention_over_gathered(cache.gather(layer, view.page_table(), view.lengths()),
+                                                          lengths, q, g, s);
+      }
+      return attention_kernels::paged_attention_quantized_cpu(cache, layer, table, lengths, q, s);
+    }
     const at::Tensor k_layer = cache.k_cache().select(0, layer);
     const at::Tensor v_layer = cache.v_cache().select(0, layer);
     if (!kernels::use_cpu_kernels(cache.device())) {

@@ -21,12 +21,14 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "pagedkv/checks.hpp"
 #include "pagedkv/kernels.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_pool.hpp"
+#include "pagedkv/quant_kernels.hpp"
 
 namespace pagedkv {
 
@@ -154,6 +156,58 @@ inline void copy_generic(const at::Tensor& to, const at::Tensor& from, const int
   to.index_copy_(1, list(dst, to.device()), pages);
 }
 
+/// One of a cache's page tensors ([n_layers, n_pages, ...]) as raw bytes:
+/// codes, native elements or scales of one side.
+struct CpuTensorPages {
+  char* data;
+  int64_t layer_bytes;            ///< bytes between layers
+  int64_t page_bytes;             ///< bytes between pages
+  kernels::BlockStrides strides;  ///< inside a page
+};
+
+/// to[dst[i]] <- from[src[i]], i < n, every layer, for one page tensor of
+/// each cache (a quantized cache copies codes and scales of each side this
+/// way). Pages must not overlap.
+inline void copy_cpu_tensor(const CpuTensorPages& to, const CpuTensorPages& from, const int64_t* src,
+                            const int64_t* dst, int64_t n, int64_t n_layers, const kernels::BlockShape& shape,
+                            bool same_layout) {
+  if (n == 0) return;
+  auto copy_range = [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t layer = item / n;
+      const int64_t i = item % n;
+      char* out = to.data + layer * to.layer_bytes + dst[i] * to.page_bytes;
+      const char* in = from.data + layer * from.layer_bytes + src[i] * from.page_bytes;
+      if (same_layout) {
+        std::memcpy(out, in, static_cast<size_t>(to.page_bytes));
+      } else {
+        kernels::copy_block(out, to.strides, in, from.strides, shape);
+      }
+    }
+  };
+  const int64_t grain = kernels::grain_for(to.page_bytes);
+  if (n * n_layers <= grain) {
+    copy_range(0, n * n_layers);
+  } else {
+    at::parallel_for(0, n * n_layers, grain, copy_range);
+  }
+}
+
+/// The page tensors of a cache with a quantized side, each with the
+/// geometry of one of its pages: [k pages, v pages, k scales, v scales]
+/// (undefined scales for a native side). Scales are seen as
+/// [n_layers, n_pages, <page of head_dim 1>].
+template <class Layout>
+std::vector<std::pair<at::Tensor, PageGeometry>> page_tensors(const PagedCache<Layout>& cache) {
+  const PageGeometry& g = cache.geometry();
+  const auto page = Layout::page_shape(g.page_size, g.n_heads, 1);
+  const auto scales = [&](const at::Tensor& t) {
+    return t.defined() ? t.view({cache.n_layers(), cache.n_pages(), page[0], page[1], 1}) : t;
+  };
+  const PageGeometry sg = quant_kernels::scale_geometry(g);
+  return {{cache.k_cache(), g}, {cache.v_cache(), g}, {scales(cache.k_scales()), sg}, {scales(cache.v_scales()), sg}};
+}
+
 /// Copies validated lists: to[dst[i]] <- from[src[i]], i < n. Nothing here
 /// throws for valid input (but a device error). `to` and `from` may be the
 /// same cache; `overlap`: some page is both read and written.
@@ -163,6 +217,30 @@ void copy_unchecked(const PagedCache<ToLayout>& to, const PagedCache<FromLayout>
   if (n == 0) return;
   constexpr bool same_layout = std::is_same<ToLayout, FromLayout>::value;
   const bool cpu = kernels::use_cpu_kernels(to.device()) && kernels::use_cpu_kernels(from.device());
+  if (is_quantized(to.quant())) {  // same_geometry: from has the same formats
+    const auto to_tensors = page_tensors(to);
+    const auto from_tensors = page_tensors(from);
+    for (size_t i = 0; i < to_tensors.size(); ++i) {
+      const at::Tensor& t = to_tensors[i].first;
+      const at::Tensor& f = from_tensors[i].first;
+      if (!t.defined()) continue;
+      if (!cpu || overlap) {
+        copy_generic(t, f, src, dst, n, same_layout);
+        continue;
+      }
+      const PageGeometry& tg = to_tensors[i].second;
+      const PageGeometry& fg = from_tensors[i].second;
+      const auto es = static_cast<int64_t>(t.element_size());
+      const int64_t page_bytes = tg.page_elems * es;
+      copy_cpu_tensor({static_cast<char*>(t.data_ptr()), to.n_pages() * page_bytes, page_bytes,
+                       kernels::page_strides(tg, es)},
+                      {static_cast<char*>(f.data_ptr()), from.n_pages() * page_bytes, page_bytes,
+                       kernels::page_strides(fg, es)},
+                      src, dst, n, to.n_layers(), kernels::BlockShape{tg.page_size, tg.n_heads, tg.head_dim, es},
+                      same_layout);
+    }
+    return;
+  }
   if (cpu && !overlap) {
     const PageGeometry& g = to.geometry();
     const kernels::BlockShape shape{g.page_size, g.n_heads, g.head_dim,
@@ -188,9 +266,11 @@ void same_geometry(const checks::Caller& caller, const PagedCache<ToLayout>& to,
               caller, ": argument 'other' expected the same geometry (n_layers, page_size, n_kv_heads, head_dim) = (",
               to.n_layers(), ", ", to.page_size(), ", ", to.n_kv_heads(), ", ", to.head_dim(), "), got (",
               from.n_layers(), ", ", from.page_size(), ", ", from.n_kv_heads(), ", ", from.head_dim(), ")");
-  TORCH_CHECK(to.k_cache().scalar_type() == from.k_cache().scalar_type(), caller,
-              ": argument 'other' expected dtype ", to.k_cache().scalar_type(), " (this cache's), got ",
-              from.k_cache().scalar_type());
+  TORCH_CHECK(to.dtype() == from.dtype(), caller, ": argument 'other' expected dtype ", to.dtype(),
+              " (this cache's), got ", from.dtype());
+  TORCH_CHECK(to.quant() == from.quant(), caller, ": argument 'other' expected formats (K ", format_name(to.quant().k),
+              ", V ", format_name(to.quant().v), ") (this cache's), got (K ", format_name(from.quant().k), ", V ",
+              format_name(from.quant().v), ")");
 }
 
 /// Validates and copies: to[dst[i]] <- from[src[i]].

@@ -16,10 +16,12 @@
 #include "pagedkv/cache_view.hpp"
 #include "pagedkv/checks.hpp"
 #include "pagedkv/kernels.hpp"
+#include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_copy.hpp"
 #include "pagedkv/page_pool.hpp"
 #include "pagedkv/page_table.hpp"
+#include "pagedkv/quant_kernels.hpp"
 
 namespace pagedkv {
 
@@ -28,11 +30,25 @@ class PagedCache {
  public:
   PagedCache(int64_t n_layers, int64_t n_pages, int64_t page_size, int64_t n_kv_heads, int64_t head_dim,
              at::TensorOptions options = at::TensorOptions().dtype(at::kHalf))
-      : geometry_(checked_geometry(n_layers, n_pages, page_size, n_kv_heads, head_dim, options)),
+      : PagedCache(n_layers, n_pages, page_size, n_kv_heads, head_dim, options, KVQuant{}) {}
+
+  /// Pages of K and/or V quantized to one byte per element with a float32
+  /// scale per (token, head) (kv_format.hpp). options.dtype() stays the
+  /// dtype write accepts and gather returns (float32, float16 or bfloat16
+  /// when a side is quantized).
+  PagedCache(int64_t n_layers, int64_t n_pages, int64_t page_size, int64_t n_kv_heads, int64_t head_dim,
+             at::TensorOptions options, KVQuant quant)
+      : geometry_(checked_geometry(n_layers, n_pages, page_size, n_kv_heads, head_dim, options, quant)),
         n_layers_(n_layers),
         pool_(n_pages),
-        k_cache_(kernels::zeroed_storage(storage_shape(n_layers, n_pages), options.requires_grad(false))),
-        v_cache_(kernels::zeroed_storage(storage_shape(n_layers, n_pages), options.requires_grad(false))) {}
+        quant_(quant),
+        dtype_(options.dtype().toScalarType()),
+        k_cache_(kernels::zeroed_storage(storage_shape(n_layers, n_pages),
+                                         options.dtype(storage_dtype(quant.k, dtype_)).requires_grad(false))),
+        v_cache_(kernels::zeroed_storage(storage_shape(n_layers, n_pages),
+                                         options.dtype(storage_dtype(quant.v, dtype_)).requires_grad(false))),
+        k_scales_(scales_storage(quant.k, n_layers, n_pages, options)),
+        v_scales_(scales_storage(quant.v, n_layers, n_pages, options)) {}
 
   /// Not copyable: a copy would share the storage tensors but not the pool,
   /// and two pools handing out the same pages overwrite each other's data.
@@ -160,10 +176,21 @@ class PagedCache {
     page_copy::copy_checked(checks::Caller{"PagedCache", Layout::name, "copy_pages_from"}, *this, other, src, dst);
   }
 
-  /// [n_layers, n_pages, <page shape>]
+  /// [n_layers, n_pages, <page shape>]: the cache's dtype, or codes (kByte
+  /// for fp8 e4m3, kChar for int8) when K is quantized.
   const at::Tensor& k_cache() const { return k_cache_; }
-  /// [n_layers, n_pages, <page shape>]
+  /// [n_layers, n_pages, <page shape>]: as k_cache() for V.
   const at::Tensor& v_cache() const { return v_cache_; }
+  /// How K and V are stored.
+  KVQuant quant() const { return quant_; }
+  /// [n_layers, n_pages, page_size * n_kv_heads] float32, one scale per
+  /// (token slot, head) in the layout's order (NHD: token-major, HND:
+  /// head-major); undefined when K is native.
+  const at::Tensor& k_scales() const { return k_scales_; }
+  /// As k_scales() for V.
+  const at::Tensor& v_scales() const { return v_scales_; }
+  /// The dtype write accepts and gather returns.
+  at::ScalarType dtype() const { return dtype_; }
   int64_t n_layers() const { return n_layers_; }
   int64_t n_pages() const { return pool_.n_pages(); }
   int64_t page_size() const { return geometry_.page_size; }
@@ -183,17 +210,28 @@ class PagedCache {
     const checks::Caller caller{"PagedCache", Layout::name, "check"};
     check_storage(caller, "k_cache", k_cache_);
     check_storage(caller, "v_cache", v_cache_);
-    TORCH_CHECK(v_cache_.scalar_type() == k_cache_.scalar_type(), caller, ": v_cache has dtype ",
-                v_cache_.scalar_type(), ", expected k_cache's ", k_cache_.scalar_type());
+    TORCH_CHECK(k_cache_.scalar_type() == storage_dtype(quant_.k, dtype_), caller, ": k_cache has dtype ",
+                k_cache_.scalar_type(), ", expected ", storage_dtype(quant_.k, dtype_), " (K format ",
+                format_name(quant_.k), ", dtype ", dtype_, ")");
+    if (quant_.v == quant_.k) {
+      TORCH_CHECK(v_cache_.scalar_type() == k_cache_.scalar_type(), caller, ": v_cache has dtype ",
+                  v_cache_.scalar_type(), ", expected k_cache's ", k_cache_.scalar_type());
+    } else {
+      TORCH_CHECK(v_cache_.scalar_type() == storage_dtype(quant_.v, dtype_), caller, ": v_cache has dtype ",
+                  v_cache_.scalar_type(), ", expected ", storage_dtype(quant_.v, dtype_), " (V format ",
+                  format_name(quant_.v), ", dtype ", dtype_, ")");
+    }
     TORCH_CHECK(v_cache_.device() == k_cache_.device(), caller, ": v_cache is on ", v_cache_.device(),
                 ", expected k_cache's ", k_cache_.device());
+    check_scales(caller, "k_scales", k_scales_, quant_.k);
+    check_scales(caller, "v_scales", v_scales_, quant_.v);
   }
 
  private:
   friend class CacheView<Layout>;
 
   static PageGeometry checked_geometry(int64_t n_layers, int64_t n_pages, int64_t page_size, int64_t n_kv_heads,
-                                       int64_t head_dim, const at::TensorOptions& options) {
+                                       int64_t head_dim, const at::TensorOptions& options, const KVQuant& quant) {
     const checks::Caller caller{"PagedCache", Layout::name, "PagedCache"};
     checks::positive(caller, "n_layers", n_layers);
     checks::positive(caller, "page_size", page_size);
@@ -203,6 +241,13 @@ class PagedCache {
     // Before any product of the sizes is formed (the geometry, the storage shape).
     checks::storage_fits(caller, {n_layers, n_pages, page_size, n_kv_heads, head_dim},
                          static_cast<int64_t>(options.dtype().itemsize()));
+    if (is_quantized(quant)) {
+      const at::ScalarType dtype = options.dtype().toScalarType();
+      TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, caller,
+                  ": argument 'options' expected dtype float32, float16 or bfloat16 for quantized pages (K ",
+                  format_name(quant.k), ", V ", format_name(quant.v), "), got ", dtype);
+      checks::storage_fits(caller, {n_layers, n_pages, page_size, n_kv_heads}, static_cast<int64_t>(sizeof(float)));
+    }
     return PageGeometry::of<Layout>(page_size, n_kv_heads, head_dim);
   }
 
@@ -213,7 +258,28 @@ class PagedCache {
 
   static at::Tensor on_host(const at::Tensor& t) { return t.device().is_cpu() ? t : t.to(at::kCPU); }
 
-  at::ScalarType dtype() const { return k_cache_.scalar_type(); }
+  at::Tensor scales_storage(KVFormat format, int64_t n_layers, int64_t n_pages,
+                            const at::TensorOptions& options) const {
+    if (!is_quantized(format)) return at::Tensor();
+    return kernels::zeroed_storage({n_layers, n_pages, geometry_.page_size * geometry_.n_heads},
+                                   options.dtype(at::kFloat).requires_grad(false));
+  }
+
+  void check_scales(const checks::Caller& caller, const char* name, const at::Tensor& t, KVFormat format) const {
+    if (!is_quantized(format)) {
+      TORCH_CHECK(!t.defined(), caller, ": ", name, " is defined, expected undefined for a native side");
+      return;
+    }
+    TORCH_CHECK(t.defined(), caller, ": ", name, " is undefined, expected scales for format ", format_name(format));
+    const std::vector<int64_t> shape{n_layers_, n_pages(), page_size() * n_kv_heads()};
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), caller, ": ", name, " has shape ", t.sizes(), ", expected ",
+                at::IntArrayRef(shape), " [n_layers, n_pages, page_size * n_kv_heads]");
+    TORCH_CHECK(t.scalar_type() == at::kFloat, caller, ": ", name, " has dtype ", t.scalar_type(),
+                ", expected Float");
+    TORCH_CHECK(t.is_contiguous(), caller, ": ", name, " has strides ", t.strides(), ", expected contiguous");
+    TORCH_CHECK(t.device() == k_cache_.device(), caller, ": ", name, " is on ", t.device(), ", expected k_cache's ",
+                k_cache_.device());
+  }
 
   void check_storage(const checks::Caller& caller, const char* name, const at::Tensor& t) const {
     TORCH_CHECK(t.defined(), caller, ": ", name, " is undefined");
@@ -268,7 +334,9 @@ class PagedCache {
       // Validated: from here on nothing throws.
       const at::Tensor k_layer = k_cache_.select(0, layer);
       const at::Tensor v_layer = v_cache_.select(0, layer);
-      if (kernels::use_cpu_kernels(device())) {
+      if (is_quantized(quant_)) {
+        write_quantized(layer, table, starts, n_tokens, k, v);
+      } else if (kernels::use_cpu_kernels(device())) {
         const auto src = kernels::token_major(static_cast<const char*>(k.data_ptr()), k,
                                               static_cast<const char*>(v.data_ptr()), v);
         const kernels::LayerPages<char> dst{static_cast<char*>(k_layer.data_ptr()),
@@ -284,6 +352,7 @@ class PagedCache {
   template <class Index>
   std::pair<at::Tensor, at::Tensor> gather_checked(int64_t layer, const PageTableRef<Index>& table,
                                                    const std::vector<int64_t>& lengths, int64_t n_tokens) const {
+    if (is_quantized(quant_)) return gather_quantized(layer, table, lengths, n_tokens);
     const at::Tensor k_layer = k_cache_.select(0, layer);
     const at::Tensor v_layer = v_cache_.select(0, layer);
     if (!kernels::use_cpu_kernels(device())) {
@@ -300,14 +369,89 @@ class PagedCache {
     return {k_out, v_out};
   }
 
+  /// Calls f(T{}) with the C++ type of the logical dtype (quantized caches: float32, float16, bfloat16).
+  template <class F>
+  void visit_dtype(const F& f) const {
+    switch (dtype_) {
+      case at::kHalf: return f(c10::Half());
+      case at::kBFloat16: return f(c10::BFloat16());
+      default: return f(float());
+    }
+  }
+
+  static at::Tensor layer_of(const at::Tensor& t, int64_t layer) {
+    return t.defined() ? t.select(0, layer) : at::Tensor();
+  }
+
+  /// write_checked for a cache with a quantized side: each side quantized
+  /// (or copied, when native) on its own.
+  template <class Index>
+  void write_quantized(int64_t layer, const PageTableRef<Index>& table, const std::vector<int64_t>& starts,
+                       int64_t n_tokens, const at::Tensor& k, const at::Tensor& v) {
+    const at::Tensor layers[2] = {k_cache_.select(0, layer), v_cache_.select(0, layer)};
+    const at::Tensor scales[2] = {layer_of(k_scales_, layer), layer_of(v_scales_, layer)};
+    const at::Tensor* inputs[2] = {&k, &v};
+    const KVFormat formats[2] = {quant_.k, quant_.v};
+    for (int side = 0; side < 2; ++side) {
+      const at::Tensor& x = *inputs[side];
+      if (!kernels::use_cpu_kernels(device())) {
+        quant_kernels::write_side_generic(table, starts, n_tokens, x, formats[side], layers[side], scales[side],
+                                          geometry_);
+        continue;
+      }
+      const auto es = static_cast<int64_t>(x.element_size());
+      const quant_kernels::SideTokens<const char> src{static_cast<const char*>(x.data_ptr()), x.stride(0) * es,
+                                                       kernels::token_major_strides(x)};
+      const quant_kernels::SidePages<char> dst{
+          formats[side], static_cast<char*>(layers[side].data_ptr()),
+          scales[side].defined() ? scales[side].data_ptr<float>() : nullptr,
+          static_cast<int64_t>(layers[side].element_size())};
+      visit_dtype([&](auto t) {
+        quant_kernels::write_side_cpu<decltype(t)>(table, starts, n_tokens, src, dst, geometry_);
+      });
+    }
+  }
+
+  /// gather_checked for a cache with a quantized side: dequantized into the logical dtype.
+  template <class Index>
+  std::pair<at::Tensor, at::Tensor> gather_quantized(int64_t layer, const PageTableRef<Index>& table,
+                                                     const std::vector<int64_t>& lengths, int64_t n_tokens) const {
+    const at::Tensor layers[2] = {k_cache_.select(0, layer), v_cache_.select(0, layer)};
+    const at::Tensor scales[2] = {layer_of(k_scales_, layer), layer_of(v_scales_, layer)};
+    const KVFormat formats[2] = {quant_.k, quant_.v};
+    at::Tensor out[2];
+    for (int side = 0; side < 2; ++side) {
+      if (!kernels::use_cpu_kernels(device())) {
+        out[side] = quant_kernels::gather_side_generic(table, lengths, n_tokens, formats[side], layers[side],
+                                                       scales[side], geometry_, dtype_);
+        continue;
+      }
+      out[side] = outputs_->empty(static_cast<size_t>(side), {table.rows, n_tokens, n_kv_heads(), head_dim()},
+                                  k_cache_.options().dtype(dtype_));
+      const quant_kernels::SidePages<const char> src{
+          formats[side], static_cast<const char*>(layers[side].data_ptr()),
+          scales[side].defined() ? scales[side].data_ptr<float>() : nullptr,
+          static_cast<int64_t>(layers[side].element_size())};
+      visit_dtype([&](auto t) {
+        using T = decltype(t);
+        quant_kernels::gather_side_cpu<T>(table, lengths, n_tokens, src, out[side].data_ptr<T>(), geometry_);
+      });
+    }
+    return {out[0], out[1]};
+  }
+
   int64_t elem_size() const { return static_cast<int64_t>(k_cache_.element_size()); }
   int64_t page_bytes() const { return geometry_.page_elems * elem_size(); }
 
   PageGeometry geometry_;
   int64_t n_layers_;
   PagePool pool_;
-  at::Tensor k_cache_;  // [n_layers, n_pages, <page>]
-  at::Tensor v_cache_;  // [n_layers, n_pages, <page>]
+  KVQuant quant_;
+  at::ScalarType dtype_;  // what write accepts and gather returns
+  at::Tensor k_cache_;    // [n_layers, n_pages, <page>]
+  at::Tensor v_cache_;    // [n_layers, n_pages, <page>]
+  at::Tensor k_scales_;   // [n_layers, n_pages, page_size * n_kv_heads] float32; undefined for native K
+  at::Tensor v_scales_;   // [n_layers, n_pages, page_size * n_kv_heads] float32; undefined for native V
   // Storage of the last CPU gather's outputs, reused once the caller drops them.
   std::shared_ptr<kernels::OutputRecycler> outputs_ = std::make_shared<kernels::OutputRecycler>();
 };

@@ -418,12 +418,23 @@ void unpack(PagedCache<Layout>& cache, const at::Tensor& staging, int64_t code, 
 /// n_pages fresh pages (or none when the pool is short, having allocated
 /// nothing); `undo(pages)` frees them. Returns the pages, filled, and the
 /// tokens they hold.
+/// Quantized pages (codes plus scales) do not travel yet: the wire format
+/// reserves k_format / v_format / scale_bytes, but the payload carries one
+/// dtype's elements only. Checked before anything is sent or received.
+template <class Layout>
+void native_pages_only(const checks::Caller& caller, const PagedCache<Layout>& cache) {
+  TORCH_CHECK(!is_quantized(cache.quant()), caller, ": argument 'cache' expected native pages, got quantized pages (K ",
+              format_name(cache.quant().k), ", V ", format_name(cache.quant().v),
+              "): page transfer does not carry codes and scales yet");
+}
+
 template <class Group, class Layout>
 std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, Group& group, int src_rank, PagedCache<Layout>& cache,
                              int64_t transfer_id, std::chrono::milliseconds timeout,
                              const std::function<std::vector<int64_t>(int64_t, int64_t)>& allocate,
                              const std::function<void(const std::vector<int64_t>&)>& undo) {
   namespace w = transfer_wire;
+  native_pages_only(caller, cache);
   peer_rank(caller, "src_rank", group, src_rank);
   positive_timeout(caller, timeout);
   const auto deadline = Clock::now() + timeout;
@@ -576,6 +587,7 @@ void send_pages(Group& group, int dst_rank, const PagedCache<Layout>& cache,
   namespace w = transfer_wire;
   using namespace transfer_detail;
   const checks::Caller caller{"send_pages", Layout::name, nullptr};
+  native_pages_only(caller, cache);
   peer_rank(caller, "dst_rank", group, dst_rank);
   positive_timeout(caller, timeout);
   checks::non_negative(caller, "n_tokens", n_tokens);

@@ -258,9 +258,10 @@ void run_items_with(Isa isa, const Problem<T, Index>& pr, const Plan& p, int64_t
   }
 }
 
-/// Merges the splits of one tile into the output.
-template <class T, class Index>
-void merge_tile(const Problem<T, Index>& pr, const SplitTile& t, float* acc /* [D] */) {
+/// Merges the splits of one tile into the output (pr: a Problem, or any
+/// problem with the same out / partials / shape fields).
+template <class Pr>
+void merge_tile(const Pr& pr, const SplitTile& t, float* acc /* [D] */) {
   const int64_t D = pr.g.head_dim;
   const int64_t G = pr.group;
   const int64_t rows = (t.s1 - t.s0) * t.nh * G;

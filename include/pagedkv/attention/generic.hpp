@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "pagedkv/kernels.hpp"
@@ -16,6 +17,10 @@
 
 namespace pagedkv {
 namespace attention_kernels {
+
+inline at::Tensor attention_over_gathered(const std::pair<at::Tensor, at::Tensor>& kv,
+                                          const std::vector<int64_t>& lengths, const at::Tensor& q,
+                                          const PageGeometry& g, double scale);
 
 /// Device-agnostic path: gather [B, T, H, D], then a causal masked softmax
 /// in float32 with ATen ops. Same results as the CPU kernel.
@@ -26,10 +31,21 @@ at::Tensor paged_attention_generic(const PageTableRef<Index>& table,     // [B, 
                                    const at::Tensor& k_layer,            // [n_pages, <page>]
                                    const at::Tensor& v_layer,            // [n_pages, <page>]
                                    const PageGeometry& g, double scale) {
+  const int64_t n_tokens = *std::max_element(lengths.begin(), lengths.end());
+  return attention_over_gathered(kernels::gather_generic(table, lengths, n_tokens, k_layer, v_layer, g), lengths, q,
+                                 g, scale);
+}
+
+/// The softmax part of paged_attention_generic over k, v already gathered
+/// ([B, T, H, D], T = max(lengths), zeros past a length): what a cache with
+/// quantized pages gives from its own (dequantizing) gather.
+inline at::Tensor attention_over_gathered(const std::pair<at::Tensor, at::Tensor>& kv,
+                                          const std::vector<int64_t>& lengths,  // [B]
+                                          const at::Tensor& q,                  // [B, Sq, n_heads, D]
+                                          const PageGeometry& g, double scale) {
   const int64_t batch = q.size(0), n_queries = q.size(1), n_heads = q.size(2), D = q.size(3);
   const int64_t group = n_heads / g.n_heads;
-  const int64_t n_tokens = *std::max_element(lengths.begin(), lengths.end());
-  const auto kv = kernels::gather_generic(table, lengths, n_tokens, k_layer, v_layer, g);  // [B, T, H, D]
+  const int64_t n_tokens = kv.first.size(1);
   const at::Tensor k = kv.first.to(at::kFloat).permute({0, 2, 3, 1});                     // [B, H, D, T]
   const at::Tensor v = kv.second.to(at::kFloat).permute({0, 2, 1, 3});                    // [B, H, T, D]
   // Query rows (s, g) of each kv head h: [B, H, Sq * G, D].

@@ -1,0 +1,500 @@
+// The codecs of quantized pages: fp8 e4m3 (OCP "E4M3FN": bias 7, largest
+// finite 448, no infinities, NaN only 0x7F / 0xFF) and symmetric int8, each
+// with one float32 scale per head vector. Encoding rounds to nearest even
+// and saturates, and never yields a NaN code; decoding is exact.
+//
+// Every routine is a branch-free scalar function; the row loops over them
+// are compiled for portable and AVX2 (target attributes), and AVX-512 has
+// the same operations in intrinsics (g++ 12 does not vectorise the scalar
+// loops), chosen at run time with the attention kernel's Isa: tests check
+// that every path is bit-identical to the scalar functions on every fp16
+// input and 10^7 random floats.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "pagedkv/attention/isa.hpp"
+#include "pagedkv/kv_format.hpp"
+
+namespace pagedkv {
+namespace quant {
+
+/// Largest finite fp8 e4m3 magnitude; a head vector's amax maps onto it.
+constexpr float kFp8Max = 448.0f;
+/// Largest int8 code used (symmetric: -128 never occurs).
+constexpr float kInt8Max = 127.0f;
+
+inline float format_max(KVFormat f) { return f == KVFormat::int8 ? kInt8Max : kFp8Max; }
+
+// __builtin_bit_cast (g++ >= 11, clang >= 9), not memcpy: g++ 12 does not
+// vectorise a loop whose bit casts are memcpys ("no vectype for stmt"), and
+// every codec loop is made of them.
+inline uint32_t float_bits(float f) noexcept { return __builtin_bit_cast(uint32_t, f); }
+inline float bits_float(uint32_t u) noexcept { return __builtin_bit_cast(float, u); }
+
+/// The scale of a head vector whose largest magnitude is `amax`: one float32
+/// division, so every path (CPU kernels, ATen) computes the same scale.
+inline float scale_for(float amax, KVFormat f) noexcept { return amax / format_max(f); }
+
+/// Round to nearest even for |v| <= 2^22 (NaN stays NaN): adding and
+/// subtracting 1.5 x 2^23 leaves no fraction bits, in the default rounding
+/// mode. Unlike std::nearbyint, loops over it vectorise without -ffast-math.
+inline float round_half_even(float v) noexcept {
+  constexpr float kMagic = 12582912.0f;  // 1.5 x 2^23
+  return (v + kMagic) - kMagic;
+}
+
+/// fp8 e4m3 code of y (already divided by the scale): round to nearest
+/// even, |y| >= 448 (and +-inf) saturate to +-448, NaN gives +-0 (never a NaN
+/// code), the sign of zero is kept.
+inline uint8_t encode_e4m3(float y) noexcept {
+  const uint32_t bits = float_bits(y);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  const uint32_t abs_bits = bits & 0x7FFFFFFFu;
+  const float a = bits_float(abs_bits);
+  // Normal codes (|y| >= 2^-6): drop the float's 20 low mantissa bits with
+  // round to nearest even (a carry moves into the exponent, as it should),
+  // then rebias the exponent from 127 to 7.
+  const uint32_t rounded = (abs_bits + 0x7FFFFu + ((abs_bits >> 20) & 1u)) >> 20;
+  const uint32_t normal = rounded - (120u << 3);
+  // Subnormal codes (|y| < 2^-6): multiples of 2^-9; nearbyint rounds half
+  // to even. Clamped first so that the int conversion is always defined.
+  const float small = a < 0x1p-6f ? a : 0x1p-6f;
+  const auto subnormal = static_cast<uint32_t>(static_cast<int32_t>(round_half_even(small * 512.0f)));
+  uint32_t magnitude = a < 0x1p-6f ? subnormal : normal;
+  magnitude = a >= kFp8Max ? 0x7Eu : magnitude;
+  magnitude = abs_bits > 0x7F800000u ? 0u : magnitude;  // NaN
+  return static_cast<uint8_t>(sign | magnitude);
+}
+
+/// The value of an fp8 e4m3 code (NaN for 0x7F and 0xFF), exact, with no
+/// float32 subnormal on the way: normal codes rebias their exponent in the
+/// integer bits (7 -> 127); subnormal codes are m x 2^-9, an int conversion
+/// and a power-of-two product. (Placing the bits in a float32 and scaling
+/// by 2^120 is also exact, but a subnormal operand costs a microcode assist
+/// of ~100 cycles on x86: a gather of random codes ran 10x slower.)
+/// Selects are on integer bits, so the loops over it vectorise.
+inline float decode_e4m3(uint8_t code) noexcept {
+  const uint32_t c = code;
+  const uint32_t sign = (c & 0x80u) << 24;
+  const uint32_t normal = sign | (((c & 0x7Fu) << 20) + (120u << 23));
+  const uint32_t subnormal = sign | float_bits(static_cast<float>(static_cast<int32_t>(c & 7u)) * 0x1p-9f);
+  uint32_t bits = (c & 0x78u) == 0u ? subnormal : normal;
+  bits = (c & 0x7Fu) == 0x7Fu ? 0x7FC00000u : bits;
+  return bits_float(bits);
+}
+
+/// int8 code of y (already divided by the scale): round to nearest even,
+/// clamped to [-127, 127]; NaN gives 0.
+inline int8_t encode_int8(float y) noexcept {
+  // Clamped first (rounding is monotonic and +-127 are integers: the same
+  // codes), so that round_half_even's range holds.
+  float r = y > kInt8Max ? kInt8Max : y;
+  r = r < -kInt8Max ? -kInt8Max : r;
+  r = round_half_even(r);
+  r = r == r ? r : 0.0f;
+  return static_cast<int8_t>(static_cast<int32_t>(r));
+}
+
+inline float decode_int8(int8_t code) noexcept { return static_cast<float>(code); }
+
+/// Codes of one head vector's elements, of either format.
+template <KVFormat F>
+struct Codec;
+
+template <>
+struct Codec<KVFormat::fp8_e4m3> {
+  using Code = uint8_t;
+  static Code encode(float y) noexcept { return encode_e4m3(y); }
+  static float decode(Code c) noexcept { return decode_e4m3(c); }
+};
+
+template <>
+struct Codec<KVFormat::int8> {
+  using Code = int8_t;
+  static Code encode(float y) noexcept { return encode_int8(y); }
+  static float decode(Code c) noexcept { return decode_int8(c); }
+};
+
+// ---- row loops, compiled once per instruction set ----
+
+/// out[i] = encode(x[i] / scale), scale > 0.
+template <KVFormat F>
+inline void encode_loop(const float* x,  // [n]
+                        int64_t n, float scale,
+                        typename Codec<F>::Code* out) noexcept {  // [n]
+  for (int64_t i = 0; i < n; ++i) out[i] = Codec<F>::encode(x[i] / scale);
+}
+
+/// out[i] = decode(codes[i]) * scale.
+template <KVFormat F>
+inline void decode_loop(const typename Codec<F>::Code* codes,  // [n]
+                        int64_t n, float scale,
+                        float* out) noexcept {  // [n]
+  for (int64_t i = 0; i < n; ++i) out[i] = Codec<F>::decode(codes[i]) * scale;
+}
+
+/// max |x[i]| (NaN ignored); exact in any order, so every path agrees.
+/// 16 lanes folded as a tree: `a > m ? a : m` is exactly a vector max, so
+/// the compiler vectorises it without -ffast-math.
+inline float amax_loop(const float* x, int64_t n) noexcept {  // x: [n]
+  float m[16] = {};
+  const int64_t full = n - n % 16;
+  for (int64_t i = 0; i < full; i += 16) {
+    for (int l = 0; l < 16; ++l) {
+      const float a = std::fabs(x[i + l]);
+      m[l] = a > m[l] ? a : m[l];
+    }
+  }
+  for (int64_t i = full; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    m[0] = a > m[0] ? a : m[0];
+  }
+  for (int l = 0; l < 8; ++l) m[l] = m[l + 8] > m[l] ? m[l + 8] : m[l];
+  for (int l = 0; l < 4; ++l) m[l] = m[l + 4] > m[l] ? m[l + 4] : m[l];
+  for (int l = 0; l < 2; ++l) m[l] = m[l + 2] > m[l] ? m[l + 2] : m[l];
+  return m[1] > m[0] ? m[1] : m[0];
+}
+
+/// The scale of x and its codes (all zero for scale 0); returns the scale.
+template <KVFormat F>
+inline float quantize_loop(const float* x,  // [n]
+                           int64_t n, typename Codec<F>::Code* out) noexcept {  // out: [n]
+  const float scale = scale_for(amax_loop(x, n), F);
+  if (!(scale > 0.0f)) {
+    std::fill(out, out + n, typename Codec<F>::Code{0});
+    return scale;
+  }
+  encode_loop<F>(x, n, scale, out);
+  return scale;
+}
+
+#ifdef PAGEDKV_ATTENTION_AVX2
+template <KVFormat F>
+PAGEDKV_TARGET_AVX2 __attribute__((flatten)) void encode_avx2(const float* x, int64_t n, float scale,
+                                                              typename Codec<F>::Code* out) {
+  encode_loop<F>(x, n, scale, out);
+}
+template <KVFormat F>
+PAGEDKV_TARGET_AVX2 __attribute__((flatten)) float quantize_avx2(const float* x, int64_t n,
+                                                                 typename Codec<F>::Code* out) {
+  return quantize_loop<F>(x, n, out);
+}
+template <KVFormat F>
+PAGEDKV_TARGET_AVX2 __attribute__((flatten)) void decode_avx2(const typename Codec<F>::Code* codes, int64_t n,
+                                                              float scale, float* out) {
+  decode_loop<F>(codes, n, scale, out);
+}
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX512
+// AVX-512: the scalar functions' arithmetic spelled in intrinsics, 16
+// elements at a time (g++ 12 does not vectorise the scalar loops: it gives
+// up on their mixed 8/32-bit types). Same operations, same order: the tests
+// check every fp16 input and 10^7 random floats bit for bit.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+/// encode_e4m3 of 16 values y.
+PAGEDKV_TARGET_AVX512 inline __m128i encode_e4m3_x16(__m512 y) {
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+  const __m512i abs_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(abs_bits, 20), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(abs_bits, _mm512_set1_epi32(0x7FFFF)), lsb), 20);
+  const __m512i normal = _mm512_sub_epi32(rounded, _mm512_set1_epi32(120 << 3));
+  // min_ps returns its second operand for a NaN, as `a < c ? a : c` does.
+  const __m512 small = _mm512_min_ps(_mm512_castsi512_ps(abs_bits), _mm512_set1_ps(0x1p-6f));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512i subnormal =
+      _mm512_cvttps_epi32(_mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(small, _mm512_set1_ps(512.0f)), magic), magic));
+  // On non-negative bits, integer order is float order (NaN above +inf).
+  const __mmask16 is_subnormal = _mm512_cmplt_epi32_mask(abs_bits, _mm512_set1_epi32(0x3C800000));  // < 2^-6
+  __m512i magnitude = _mm512_mask_blend_epi32(is_subnormal, normal, subnormal);
+  magnitude = _mm512_mask_mov_epi32(magnitude, _mm512_cmpge_epi32_mask(abs_bits, _mm512_set1_epi32(0x43E00000)),
+                                    _mm512_set1_epi32(0x7E));  // >= 448
+  magnitude = _mm512_mask_mov_epi32(magnitude, _mm512_cmpgt_epi32_mask(abs_bits, _mm512_set1_epi32(0x7F800000)),
+                                    _mm512_setzero_si512());  // NaN
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(sign, magnitude));
+}
+
+/// encode_int8 of 16 values y.
+PAGEDKV_TARGET_AVX512 inline __m128i encode_int8_x16(__m512 y) {
+  __m512 r = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(y, _mm512_set1_ps(kInt8Max), _CMP_GT_OQ),
+                                _mm512_set1_ps(kInt8Max));
+  r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(r, _mm512_set1_ps(-kInt8Max), _CMP_LT_OQ), _mm512_set1_ps(-kInt8Max));
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  r = _mm512_sub_ps(_mm512_add_ps(r, magic), magic);
+  r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q), _mm512_setzero_ps());
+  return _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r));
+}
+
+/// decode_e4m3 of 16 codes (as int32 lanes).
+PAGEDKV_TARGET_AVX512 inline __m512 decode_e4m3_x16(__m512i c) {
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+  const __m512i normal = _mm512_or_si512(
+      sign, _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), 20),
+                             _mm512_set1_epi32(120 << 23)));
+  const __m512 sub_value =
+      _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(7))), _mm512_set1_ps(0x1p-9f));
+  const __m512i subnormal = _mm512_or_si512(sign, _mm512_castps_si512(sub_value));
+  const __mmask16 is_subnormal =
+      _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x78)), _mm512_setzero_si512());
+  __m512i bits = _mm512_mask_blend_epi32(is_subnormal, normal, subnormal);
+  bits = _mm512_mask_mov_epi32(
+      bits, _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7F)),
+      _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(bits);
+}
+
+template <KVFormat F>
+PAGEDKV_TARGET_AVX512 void encode_avx512(const float* x, int64_t n, float scale, typename Codec<F>::Code* out) {
+  const __m512 s = _mm512_set1_ps(scale);
+  const int64_t full = n - n % 16;
+  for (int64_t i = 0; i < full; i += 16) {
+    const __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), s);
+    const __m128i codes = F == KVFormat::int8 ? encode_int8_x16(y) : encode_e4m3_x16(y);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
+  }
+  for (int64_t i = full; i < n; ++i) out[i] = Codec<F>::encode(x[i] / scale);
+}
+
+template <KVFormat F>
+PAGEDKV_TARGET_AVX512 float quantize_avx512(const float* x, int64_t n, typename Codec<F>::Code* out) {
+  __m512 m = _mm512_setzero_ps();
+  const int64_t full = n - n % 16;
+  for (int64_t i = 0; i < full; i += 16) {
+    const __m512 a = _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x + i)), _mm512_set1_epi32(0x7FFFFFFF)));
+    m = _mm512_max_ps(a, m);  // the second operand for a NaN: ignored, as in amax_loop
+  }
+  float amax = _mm512_reduce_max_ps(m);  // max is exact in any order
+  for (int64_t i = full; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    amax = a > amax ? a : amax;
+  }
+  const float scale = scale_for(amax, F);
+  if (!(scale > 0.0f)) {
+    std::fill(out, out + n, typename Codec<F>::Code{0});
+    return scale;
+  }
+  encode_avx512<F>(x, n, scale, out);
+  return scale;
+}
+
+template <KVFormat F>
+PAGEDKV_TARGET_AVX512 void decode_avx512(const typename Codec<F>::Code* codes, int64_t n, float scale, float* out) {
+  const __m512 s = _mm512_set1_ps(scale);
+  const int64_t full = n - n % 16;
+  for (int64_t i = 0; i < full; i += 16) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+    const __m512 v = F == KVFormat::int8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw))
+                                         : decode_e4m3_x16(_mm512_cvtepu8_epi32(raw));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(v, s));
+  }
+  for (int64_t i = full; i < n; ++i) out[i] = Codec<F>::decode(codes[i]) * scale;
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
+using attention_kernels::Isa;
+
+/// out[i] = encode(x[i] / scale) on instruction set `isa` (the caller's
+/// selected_isa()); scale 0 (an all-zero vector) gives all-zero codes.
+template <KVFormat F>
+inline void encode_row(Isa isa, const float* x,  // [n]
+                       int64_t n, float scale, typename Codec<F>::Code* out) {  // out: [n]
+  if (!(scale > 0.0f)) {
+    std::fill(out, out + n, typename Codec<F>::Code{0});
+    return;
+  }
+  switch (isa) {
+#ifdef PAGEDKV_ATTENTION_AVX512
+    case Isa::avx512: return encode_avx512<F>(x, n, scale, out);
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX2
+    case Isa::avx2: return encode_avx2<F>(x, n, scale, out);
+#endif
+    default: return encode_loop<F>(x, n, scale, out);
+  }
+}
+
+/// out[i] = decode(codes[i]) * scale on instruction set `isa`.
+template <KVFormat F>
+inline void decode_row(Isa isa, const typename Codec<F>::Code* codes,  // [n]
+                       int64_t n, float scale, float* out) {            // out: [n]
+  switch (isa) {
+#ifdef PAGEDKV_ATTENTION_AVX512
+    case Isa::avx512: return decode_avx512<F>(codes, n, scale, out);
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX2
+    case Isa::avx2: return decode_avx2<F>(codes, n, scale, out);
+#endif
+    default: return decode_loop<F>(codes, n, scale, out);
+  }
+}
+
+/// Quantizes one head vector: its amax, scale and codes. Returns the scale.
+template <KVFormat F>
+inline float quantize_vector(Isa isa, const float* x,  // [n]
+                             int64_t n, typename Codec<F>::Code* out) {  // out: [n]
+  switch (isa) {
+#ifdef PAGEDKV_ATTENTION_AVX512
+    case Isa::avx512: return quantize_avx512<F>(x, n, out);
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX2
+    case Isa::avx2: return quantize_avx2<F>(x, n, out);
+#endif
+    default: return quantize_loop<F>(x, n, out);
+  }
+}
+
+// ---- the logical dtype <-> float32, per instruction set ----
+// c10::Half's own conversions are scalar bit manipulation (a few ns per
+// element: 50x a memcpy of the codes); F16C converts 8 or 16 at once, with
+// the same round to nearest even. bf16 is a shift (widening) and c10's
+// integer round to nearest even (narrowing), which the compiler vectorises.
+
+inline float bf16_to_float(c10::BFloat16 b) noexcept { return bits_float(static_cast<uint32_t>(b.x) << 16); }
+
+/// c10::BFloat16(float)'s rounding (round to nearest even; NaN -> 0x7FC0), branch-free.
+inline c10::BFloat16 float_to_bf16(float f) noexcept {
+  const uint32_t u = float_bits(f);
+  const auto rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return c10::BFloat16((u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : rounded, c10::BFloat16::from_bits());
+}
+
+/// out[i] = float(src[i]), contiguous src.
+template <class T>
+inline void widen_loop(const T* src, int64_t n, float* out) noexcept {  // src, out: [n]
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(src[i]);
+}
+inline void widen_loop(const c10::BFloat16* src, int64_t n, float* out) noexcept {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(src[i]);
+}
+
+/// out[i] = T(x[i]) with round to nearest even.
+template <class T>
+inline void narrow_loop(const float* x, int64_t n, T* out) noexcept {  // x, out: [n]
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(x[i]);
+}
+inline void narrow_loop(const float* x, int64_t n, c10::BFloat16* out) noexcept {
+  for (int64_t i = 0; i < n; ++i) out[i] = float_to_bf16(x[i]);
+}
+
+#ifdef PAGEDKV_ATTENTION_AVX2
+template <class T>
+PAGEDKV_TARGET_AVX2 __attribute__((flatten)) void widen_avx2(const T* src, int64_t n, float* out) {
+  widen_loop(src, n, out);
+}
+PAGEDKV_TARGET_AVX2 inline void widen_avx2(const c10::Half* src, int64_t n, float* out) {
+  const int64_t full = n - n % 8;
+  for (int64_t i = 0; i < full; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  for (int64_t i = full; i < n; ++i) out[i] = static_cast<float>(src[i]);
+}
+template <class T>
+PAGEDKV_TARGET_AVX2 __attribute__((flatten)) void narrow_avx2(const float* x, int64_t n, T* out) {
+  narrow_loop(x, n, out);
+}
+PAGEDKV_TARGET_AVX2 inline void narrow_avx2(const float* x, int64_t n, c10::Half* out) {
+  const int64_t full = n - n % 8;
+  for (int64_t i = 0; i < full; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (int64_t i = full; i < n; ++i) out[i] = static_cast<c10::Half>(x[i]);
+}
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX512
+// GCC 12's AVX-512 conversion intrinsics pass _mm512_undefined_ps() as the
+// masked-off source, which -Wmaybe-uninitialized flags (as isa_avx512.hpp).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+template <class T>
+PAGEDKV_TARGET_AVX512 __attribute__((flatten)) void widen_avx512(const T* src, int64_t n, float* out) {
+  widen_loop(src, n, out);
+}
+PAGEDKV_TARGET_AVX512 inline void widen_avx512(const c10::Half* src, int64_t n, float* out) {
+  const int64_t full = n - n % 16;
+  for (int64_t i = 0; i < full; i += 16) {
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  }
+  for (int64_t i = full; i < n; ++i) out[i] = static_cast<float>(src[i]);
+}
+template <class T>
+PAGEDKV_TARGET_AVX512 __attribute__((flatten)) void narrow_avx512(const float* x, int64_t n, T* out) {
+  narrow_loop(x, n, out);
+}
+PAGEDKV_TARGET_AVX512 inline void narrow_avx512(const float* x, int64_t n, c10::Half* out) {
+  const int64_t full = n - n % 16;
+  for (int64_t i = 0; i < full; i += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (int64_t i = full; i < n; ++i) out[i] = static_cast<c10::Half>(x[i]);
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
+/// out[i] = float(src[i]) (exact) on instruction set `isa`, contiguous src.
+template <class T>
+inline void widen_row(Isa isa, const T* src, int64_t n, float* out) {  // src, out: [n]
+  switch (isa) {
+#ifdef PAGEDKV_ATTENTION_AVX512
+    case Isa::avx512: return widen_avx512(src, n, out);
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX2
+    case Isa::avx2: return widen_avx2(src, n, out);
+#endif
+    default: return widen_loop(src, n, out);
+  }
+}
+
+/// out[i] = T(x[i]) (round to nearest even, as c10's conversions) on `isa`.
+template <class T>
+inline void narrow_row(Isa isa, const float* x, int64_t n, T* out) {  // x, out: [n]
+  switch (isa) {
+#ifdef PAGEDKV_ATTENTION_AVX512
+    case Isa::avx512: return narrow_avx512(x, n, out);
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX2
+    case Isa::avx2: return narrow_avx2(x, n, out);
+#endif
+    default: return narrow_loop(x, n, out);
+  }
+}
+
+/// Elements of T to float32 (exact for the dtypes a cache holds), any element stride.
+template <class T>
+inline void to_float(Isa isa, const char* src, int64_t elem_stride_bytes, int64_t n, float* out) {  // out: [n]
+  if (elem_stride_bytes == static_cast<int64_t>(sizeof(T))) {
+    widen_row(isa, reinterpret_cast<const T*>(src), n, out);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    T value;
+    std::memcpy(&value, src + i * elem_stride_bytes, sizeof(T));
+    out[i] = static_cast<float>(value);
+  }
+}
+
+}  // namespace quant
+}  // namespace pagedkv

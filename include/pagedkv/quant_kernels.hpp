@@ -1,0 +1,287 @@
+// The write and gather kernels of caches with quantized pages: write
+// quantizes each head vector inside the kernel (no dequantized temporary),
+// gather dequantizes into the cache's logical dtype. Like kernels.hpp they
+// check nothing: callers validate first. One side (K or V) at a time, so K
+// and V may use different formats; a native side is a plain byte copy.
+//
+// CPU: parallel over (sequence, page) work items, the codecs of
+// quant_codecs.hpp on the instruction set the caller selected.
+// Other devices: the same arithmetic in ATen ops (clamping before every
+// cast, since ATen casts do not saturate), giving identical codes.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "pagedkv/kernels.hpp"
+#include "pagedkv/kv_format.hpp"
+#include "pagedkv/layouts.hpp"
+#include "pagedkv/page_table.hpp"
+#include "pagedkv/quant_codecs.hpp"
+
+namespace pagedkv {
+namespace quant_kernels {
+
+/// One side (K or V) of one layer's pages.
+template <class Byte>
+struct SidePages {
+  KVFormat format;
+  Byte* pages;     // [n_pages, <page>]: codes (1 byte) or native elements
+  float* scales;   // [n_pages, page_size * n_heads] in the layout's order; null for native
+  int64_t elem_size;  // bytes per stored element
+};
+
+/// One side of a token-major [B, S or T, H, D] tensor, as raw bytes.
+template <class Byte>
+struct SideTokens {
+  Byte* data;
+  int64_t batch_stride;           // bytes between sequences
+  kernels::BlockStrides strides;  // bytes between tokens / heads / elements
+};
+
+/// Quantizes `shape.tokens` tokens of every head from `src` into the page
+/// (codes at `codes`, scales at `scales`; both already at the page's first slot).
+template <KVFormat F, class T>
+void quantize_block(attention_kernels::Isa isa, const char* src, const kernels::BlockStrides& ss,
+                    typename quant::Codec<F>::Code* codes, float* scales, int64_t first_slot_token,
+                    const PageGeometry& g, int64_t tokens, float* buf /* [D] */) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < g.n_heads; ++h) {
+      quant::to_float<T>(isa, src + t * ss.token + h * ss.head, ss.elem, g.head_dim, buf);
+      const int64_t offset = g.offset(first_slot_token + t, h);
+      scales[offset / g.head_dim] = quant::quantize_vector<F>(isa, buf, g.head_dim, codes + offset);
+    }
+  }
+}
+
+/// Writes tokens [0, n_tokens) of every sequence b of one side to logical
+/// positions starts[b] + s, through the page table.
+template <class T, class Index>
+void write_side_cpu(const PageTableRef<Index>& table,    // [B, max_pages]
+                    const std::vector<int64_t>& starts,  // [B]
+                    int64_t n_tokens, const SideTokens<const char>& src, const SidePages<char>& dst,
+                    const PageGeometry& g) {
+  if (n_tokens == 0 || table.rows == 0) return;
+  const int64_t page_size = g.page_size;
+  int64_t items_per_row = 1;
+  for (const int64_t start : starts) {
+    items_per_row = std::max(items_per_row, (start + n_tokens - 1) / page_size - start / page_size + 1);
+  }
+  const int64_t token_bytes = g.n_heads * g.head_dim * static_cast<int64_t>(sizeof(T));
+  const attention_kernels::Isa isa = attention_kernels::selected_isa();  // ScopedIsa is per thread
+  const kernels::BlockStrides page_strides = kernels::page_strides(g, dst.elem_size);
+  at::parallel_for(0, table.rows * items_per_row,
+                   kernels::grain_for(std::min(n_tokens, page_size) * token_bytes), [&](int64_t begin, int64_t end) {
+                     std::vector<float> buf(static_cast<size_t>(g.head_dim));
+                     for (int64_t item = begin; item < end; ++item) {
+                       const int64_t row = item / items_per_row;
+                       const int64_t start = starts[static_cast<size_t>(row)];
+                       const int64_t col = start / page_size + item % items_per_row;
+                       const int64_t first = std::max(col * page_size, start);
+                       const int64_t last = std::min((col + 1) * page_size, start + n_tokens);
+                       if (first >= last) continue;
+                       const int64_t page = table(row, col);
+                       const char* from = src.data + row * src.batch_stride + (first - start) * src.strides.token;
+                       const int64_t in_page = first - col * page_size;
+                       switch (dst.format) {
+                         case KVFormat::fp8_e4m3:
+                           quantize_block<KVFormat::fp8_e4m3, T>(
+                               isa, from, src.strides, reinterpret_cast<uint8_t*>(dst.pages) + page * g.page_elems,
+                               dst.scales + page * g.page_size * g.n_heads, in_page, g, last - first, buf.data());
+                           break;
+                         case KVFormat::int8:
+                           quantize_block<KVFormat::int8, T>(
+                               isa, from, src.strides, reinterpret_cast<int8_t*>(dst.pages) + page * g.page_elems,
+                               dst.scales + page * g.page_size * g.n_heads, in_page, g, last - first, buf.data());
+                           break;
+                         default:
+                           kernels::copy_block(
+                               dst.pages + (page * g.page_elems + g.offset(in_page, 0)) * dst.elem_size,
+                               page_strides, from, src.strides,
+                               kernels::BlockShape{last - first, g.n_heads, g.head_dim, dst.elem_size});
+                           break;
+                       }
+                     }
+                   });
+}
+
+/// Dequantizes `tokens` tokens of every head of a page into a contiguous
+/// token-major [tokens, H, D] output of T.
+template <KVFormat F, class T>
+void dequantize_block(attention_kernels::Isa isa, const typename quant::Codec<F>::Code* codes, const float* scales,
+                      const PageGeometry& g, int64_t tokens, T* out, float* buf /* [D] */) {
+  const int64_t D = g.head_dim;
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t h = 0; h < g.n_heads; ++h) {
+      const int64_t offset = g.offset(t, h);
+      quant::decode_row<F>(isa, codes + offset, D, scales[offset / D], buf);
+      quant::narrow_row<T>(isa, buf, D, out + (t * g.n_heads + h) * D);
+    }
+  }
+}
+
+/// Reads positions [0, lengths[b]) of one side into a contiguous
+/// [B, T, H, D] output of T; positions past a length, and unmapped pages, are zeros.
+template <class T, class Index>
+void gather_side_cpu(const PageTableRef<Index>& table,     // [B, max_pages]
+                     const std::vector<int64_t>& lengths,  // [B], each <= T
+                     int64_t n_tokens,                     // T
+                     const SidePages<const char>& src,
+                     T* out,  // [B, T, H, D], contiguous
+                     const PageGeometry& g) {
+  if (n_tokens == 0 || table.rows == 0) return;
+  const int64_t page_size = g.page_size;
+  const int64_t cols = (n_tokens + page_size - 1) / page_size;
+  const int64_t token_elems = g.n_heads * g.head_dim;
+  const int64_t elem = static_cast<int64_t>(sizeof(T));
+  const attention_kernels::Isa isa = attention_kernels::selected_isa();
+  const kernels::BlockStrides page_strides = kernels::page_strides(g, src.elem_size);
+  const kernels::BlockStrides out_strides{token_elems * elem, g.head_dim * elem, elem};
+  at::parallel_for(0, table.rows * cols, kernels::grain_for(std::min(n_tokens, page_size) * token_elems * elem),
+                   [&](int64_t begin, int64_t end) {
+                     std::vector<float> buf(static_cast<size_t>(g.head_dim));
+                     for (int64_t item = begin; item < end; ++item) {
+                       const int64_t row = item / cols;
+                       const int64_t col = item % cols;
+                       const int64_t first = col * page_size;
+                       const int64_t last = std::min(first + page_size, n_tokens);
+                       int64_t valid_end = std::min(std::max(lengths[static_cast<size_t>(row)], first), last);
+                       const int64_t page = valid_end > first ? table(row, col) : kUnmappedPage;
+                       if (page == kUnmappedPage) valid_end = first;
+                       T* dst = out + (row * n_tokens + first) * token_elems;
+                       const int64_t valid = valid_end - first;
+                       if (valid > 0) {
+                         const float* scales = src.scales == nullptr ? nullptr : src.scales + page * page_size * g.n_heads;
+                         switch (src.format) {
+                           case KVFormat::fp8_e4m3:
+                             dequantize_block<KVFormat::fp8_e4m3>(
+                                 isa, reinterpret_cast<const uint8_t*>(src.pages) + page * g.page_elems, scales, g, valid,
+                                 dst, buf.data());
+                             break;
+                           case KVFormat::int8:
+                             dequantize_block<KVFormat::int8>(
+                                 isa, reinterpret_cast<const int8_t*>(src.pages) + page * g.page_elems, scales, g, valid,
+                                 dst, buf.data());
+                             break;
+                           default:
+                             kernels::copy_block(reinterpret_cast<char*>(dst), out_strides,
+                                                 src.pages + page * g.page_elems * src.elem_size, page_strides,
+                                                 kernels::BlockShape{valid, g.n_heads, g.head_dim, elem});
+                             break;
+                         }
+                       }
+                       std::fill(dst + valid * token_elems, dst + (last - first) * token_elems, T(0));
+                     }
+                   });
+}
+
+// ---- device-agnostic (ATen) path ----
+
+/// The geometry of a scales page: one value per head row.
+inline PageGeometry scale_geometry(const PageGeometry& g) {
+  return {g.page_size, g.n_heads, 1, g.token_stride / g.head_dim, g.head_stride / g.head_dim,
+          g.page_size * g.n_heads};
+}
+
+/// The scales of head vectors x [N, D] (float32): the same float32 division
+/// as scale_for (a tensor divisor: a scalar one may become a multiply by its
+/// reciprocal on some devices).
+inline at::Tensor scales_of(const at::Tensor& xf, KVFormat f) {
+  const at::Tensor amax = xf.abs().amax(-1, /*keepdim=*/true);  // [N, 1]
+  return amax / at::full_like(amax, quant::format_max(f));
+}
+
+/// Codes of y = x / scale (float32), exactly as quant::encode_e4m3 /
+/// encode_int8 compute them; rows with scale 0 get zero codes.
+inline at::Tensor encode_generic(const at::Tensor& xf,     // [N, D] float32
+                                 const at::Tensor& scale,  // [N, 1] float32
+                                 KVFormat f) {
+  const at::Tensor zero_rows = scale.le(0);  // [N, 1]
+  const at::Tensor y = xf / scale;
+  if (f == KVFormat::int8) {
+    at::Tensor r = at::round(y).clamp_(-quant::kInt8Max, quant::kInt8Max);  // round: half to even
+    r.masked_fill_(at::isnan(r), 0);
+    r.masked_fill_(zero_rows, 0);
+    return r.to(at::kChar);
+  }
+  const at::Tensor a = y.abs();
+  const at::Tensor abs_bits = a.view(at::kInt);  // non-negative
+  const at::Tensor rounded = (abs_bits + 0x7FFFF + abs_bits.bitwise_and(1 << 20).ne(0).to(at::kInt)).div(
+      1 << 20, "floor");
+  const at::Tensor normal = rounded - (120 << 3);
+  const at::Tensor subnormal = at::round(a.clamp_max(0x1p-6f) * 512.0f).to(at::kInt);
+  at::Tensor magnitude = at::where(a.lt(0x1p-6f), subnormal, normal);
+  magnitude.masked_fill_(a.ge(quant::kFp8Max), 0x7E);
+  magnitude.masked_fill_(at::isnan(a), 0);
+  at::Tensor code = magnitude + at::signbit(y).to(at::kInt) * 0x80;
+  code.masked_fill_(zero_rows, 0);
+  return code.to(at::kByte);
+}
+
+/// decode(codes) * scales in float32, exactly as quant::decode_row.
+inline at::Tensor decode_generic(const at::Tensor& codes,   // [..., D] kByte / kChar
+                                 const at::Tensor& scales,  // [..., 1] float32
+                                 KVFormat f) {
+  if (f == KVFormat::int8) return codes.to(at::kFloat) * scales;
+  const at::Tensor c = codes.to(at::kInt);
+  const at::Tensor magnitude = (c.bitwise_and(0x7F) * (1 << 20)).view(at::kFloat) * 0x1p120f;
+  at::Tensor value = at::where(c.bitwise_and(0x80).ne(0), -magnitude, magnitude);
+  value.masked_fill_(c.bitwise_and(0x7F).eq(0x7F), std::numeric_limits<float>::quiet_NaN());
+  return value * scales;
+}
+
+/// Device-agnostic write of one side: head rows indexed as in
+/// kernels::write_generic; a quantized side gets its codes and scales.
+template <class Index>
+void write_side_generic(const PageTableRef<Index>& table, const std::vector<int64_t>& starts, int64_t n_tokens,
+                        const at::Tensor& x,       // [B, S, H, D], the logical dtype
+                        KVFormat format,
+                        const at::Tensor& layer,   // [n_pages, <page>]
+                        const at::Tensor& scales,  // [n_pages, page_size * H]; undefined for native
+                        const PageGeometry& g) {
+  if (n_tokens == 0 || table.rows == 0) return;
+  std::vector<int64_t> rows;
+  rows.reserve(static_cast<size_t>(table.rows * n_tokens * g.n_heads));
+  for (int64_t b = 0; b < table.rows; ++b) {
+    for (int64_t s = 0; s < n_tokens; ++s) {
+      const int64_t pos = starts[static_cast<size_t>(b)] + s;
+      const int64_t page = table(b, pos / g.page_size);
+      for (int64_t h = 0; h < g.n_heads; ++h) rows.push_back(kernels::head_row(g, page, pos % g.page_size, h));
+    }
+  }
+  const at::Tensor index = kernels::host_index(rows, layer.device());
+  const at::Tensor flat = x.reshape({-1, g.head_dim});
+  if (!is_quantized(format)) {
+    layer.view({-1, g.head_dim}).index_copy_(0, index, flat);
+    return;
+  }
+  const at::Tensor xf = flat.to(at::kFloat);
+  const at::Tensor scale = scales_of(xf, format);
+  layer.view({-1, g.head_dim}).index_copy_(0, index, encode_generic(xf, scale, format));
+  scales.view({-1}).index_copy_(0, index, scale.view({-1}));
+}
+
+/// Device-agnostic gather of one side into [B, T, H, D] of `dtype`.
+template <class Index>
+at::Tensor gather_side_generic(const PageTableRef<Index>& table, const std::vector<int64_t>& lengths,
+                               int64_t n_tokens, KVFormat format,
+                               const at::Tensor& layer,   // [n_pages, <page>]
+                               const at::Tensor& scales,  // [n_pages, page_size * H]; undefined for native
+                               const PageGeometry& g, at::ScalarType dtype) {
+  if (!is_quantized(format)) return kernels::gather_generic(table, lengths, n_tokens, layer, layer, g).first;
+  // Masked positions read codes 0 and scale 0: zeros.
+  const at::Tensor codes = kernels::gather_generic(table, lengths, n_tokens, layer, layer, g).first;  // [B, T, H, D]
+  const at::Tensor s = kernels::gather_generic(table, lengths, n_tokens, scales, scales, scale_geometry(g)).first;
+  return decode_generic(codes, s, format).to(dtype);
+}
+
+}  // namespace quant_kernels
+}  // namespace pagedkv
