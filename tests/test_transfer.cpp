@@ -41,7 +41,9 @@ using pagedkv::SequenceTable;
 using Group = c10d::ProcessGroupGloo;
 using std::chrono::milliseconds;
 
-constexpr milliseconds kTimeout{10000};     // a transfer that should succeed
+// A transfer that should succeed: generous, since six sanitized processes
+// on two cores connect and transfer slowly (10 s was once too short there).
+constexpr milliseconds kTimeout{20000};
 constexpr milliseconds kChildLimit{30000};  // a child still running after this is killed
 
 /// What both sides of a transfer agree on, as key=value pairs (the child
