@@ -417,4 +417,69 @@ TEST_P(QuantizedAttention, MatchesFloat64ReferencesOfItsOwnGatherAndOfTheOrigina
 
 INSTANTIATE_TEST_SUITE_P(Targets, QuantizedAttention, ::testing::ValuesIn(all_targets()), target_name);
 
+// The kernel decodes an fp8 code through fp16 bits, to e4m3(c) / 2^8, and
+// multiplies the scale by 2^8 (attention/convert.hpp): exact for every code
+// the encoder writes, the subnormal codes and -0 included.
+TEST(QuantizedAttentionCpu, Fp8DecodeThroughHalfIsTheCodecsDecodeOver256) {
+  using pagedkv::attention_kernels::E4m3Code;
+  using pagedkv::attention_kernels::kE4m3ViaHalfFactor;
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7F) == 0x7F) continue;  // NaN codes, never written
+    const auto code = static_cast<uint8_t>(c);
+    const float via_half = pagedkv::attention_kernels::to_float32(E4m3Code{code}) * kE4m3ViaHalfFactor;
+    const float decoded = pagedkv::quant::decode_e4m3(code);
+    EXPECT_EQ(std::signbit(via_half), std::signbit(decoded)) << "code " << c;
+    EXPECT_EQ(via_half, decoded) << "code " << c;
+  }
+}
+
+// Every vector path against the portable loops on quantized pages, K and V
+// in the same and in different formats, for head_dims with a vector tail
+// (20, 40) and GQA groups that are not a multiple of the rows scored at once.
+TEST(QuantizedAttentionCpu, VectorPathsAgreeWithThePortableLoopsOnCodes) {
+  const auto isas = pagedkv::attention_kernels::available_isas();
+  if (isas.size() == 1) GTEST_SKIP() << "this CPU runs no vector path (neither AVX2 nor AVX-512)";
+  const std::vector<int64_t> lengths{1, 37, 130};
+  for_each_layout([&](auto layout) {
+    using L = decltype(layout);
+    for (const KVQuant& quant : kFormats) {
+      for (const at::ScalarType dtype : {at::kFloat, at::kHalf}) {
+        for (const int64_t group : {1, 3, 8}) {
+          for (const int64_t head_dim : {16, 20, 40, 128}) {
+            const std::string what = describe(quant, dtype, 3, L::name) + " G " + std::to_string(group) + " D " +
+                                     std::to_string(head_dim);
+            const int64_t H = 2;
+            PagedCache<L> cache(1, 64, 3, H, head_dim, at::TensorOptions().dtype(dtype), quant);
+            const at::Tensor table = allocate_table(cache, lengths, 44);
+            const at::Tensor k = hard_data(3, 130, H, head_dim, 7 + static_cast<uint64_t>(head_dim)).div_(1e3);
+            const at::Tensor v = at::randn({3, 130, H, head_dim});
+            for (int64_t b = 0; b < 3; ++b) {
+              const int64_t n = lengths[static_cast<size_t>(b)];
+              cache.write(0, table.narrow(0, b, 1), 0, k.narrow(0, b, 1).narrow(1, 0, n).to(dtype),
+                          v.narrow(0, b, 1).narrow(1, 0, n).to(dtype));
+            }
+            const at::Tensor q = at::randn({3, 1, H * group, head_dim}).to(dtype);
+            const auto view = cache.bind(table, ints(lengths));
+            at::Tensor portable;
+            {
+              const ScopedIsa scoped(Isa::portable);
+              portable = pagedkv::paged_attention(view, 0, q).to(at::kFloat);
+            }
+            ASSERT_TRUE(all_finite(portable)) << what;
+            for (const Isa isa : isas) {
+              if (isa == Isa::portable) continue;
+              const ScopedIsa scoped(isa);
+              const at::Tensor out = pagedkv::paged_attention(view, 0, q).to(at::kFloat);
+              const double bound = dtype == at::kFloat ? 1e-5 : 1e-2;  // fp16: one rounding of the output
+              EXPECT_LE(max_abs(out - portable), bound * std::max(1.0, max_abs(portable)))
+                  << what << " isa " << pagedkv::attention_kernels::isa_name(isa);
+            }
+            if (::testing::Test::HasFailure()) return;
+          }
+        }
+      }
+    }
+  });
+}
+
 }  // namespace

@@ -3,7 +3,8 @@
 // [B, T, H, D] copy of the context is made.
 //
 // This header holds the public function (checks, dispatch). The pieces:
-//   attention/cpu_kernel.hpp   the CPU kernel (blocks, online softmax, merge)
+//   attention/cpu_kernel.hpp   the CPU kernel (blocks, online softmax, merge),
+//                              native and quantized pages
 //   attention/plan.hpp         work items: query tiles x kv heads x key splits
 //   attention/isa.hpp          run-time choice of the instruction set, over
 //     isa_portable.hpp, isa_avx2.hpp (AVX2/FMA/F16C), isa_avx512.hpp (AVX-512F)
@@ -20,7 +21,6 @@
 
 #include "pagedkv/attention/cpu_kernel.hpp"
 #include "pagedkv/attention/generic.hpp"
-#include "pagedkv/attention/quant_kernel.hpp"
 #include "pagedkv/cache_view.hpp"
 #include "pagedkv/checks.hpp"
 #include "pagedkv/kernels.hpp"
@@ -61,36 +61,33 @@ at::Tensor paged_attention(const CacheView<Layout>& view, int64_t layer,
     // Validated: from here on nothing throws.
     if (batch == 0 || n_queries == 0) return at::empty(q.sizes(), q.options());
     const double s = scale > 0.0 ? scale : 1.0 / std::sqrt(static_cast<double>(g.head_dim));
-    if (is_quantized(cache.quant())) {
-      if (!kernels::use_cpu_kernels(cache.device())) {
+    if (!kernels::use_cpu_kernels(cache.device())) {
+      if (is_quantized(cache.quant())) {
         return attention_kernels::attention_over_gathered(cache.gather(layer, view.page_table(), view.lengths()),
                                                           lengths, q, g, s);
       }
-      return attention_kernels::paged_attention_quantized_cpu(cache, layer, table, lengths, q, s);
+      return attention_kernels::paged_attention_generic(table, lengths, q, cache.k_cache().select(0, layer),
+                                                        cache.v_cache().select(0, layer), g, s);
     }
-    const at::Tensor k_layer = cache.k_cache().select(0, layer);
-    const at::Tensor v_layer = cache.v_cache().select(0, layer);
-    if (!kernels::use_cpu_kernels(cache.device())) {
-      return attention_kernels::paged_attention_generic(table, lengths, q, k_layer, v_layer, g, s);
-    }
+    const attention_kernels::KVSide k = attention_kernels::layer_side(cache.k_cache(), cache.k_scales(),
+                                                                      cache.quant().k, layer);
+    const attention_kernels::KVSide v = attention_kernels::layer_side(cache.v_cache(), cache.v_scales(),
+                                                                      cache.quant().v, layer);
     const at::Tensor qf = q.to(at::kFloat).mul(s).contiguous();  // [B, Sq, n_heads, D]
     at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
     const int64_t n_heads = q.size(2);
     switch (dtype) {
       case at::kHalf:
         attention_kernels::paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), out.data_ptr<c10::Half>(),
-                                                    k_layer.data_ptr<c10::Half>(), v_layer.data_ptr<c10::Half>(), g,
-                                                    n_queries, n_heads);
+                                                    k, v, g, n_queries, n_heads);
         break;
       case at::kBFloat16:
-        attention_kernels::paged_attention_cpu_impl(
-            table, lengths, qf.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), k_layer.data_ptr<c10::BFloat16>(),
-            v_layer.data_ptr<c10::BFloat16>(), g, n_queries, n_heads);
+        attention_kernels::paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(),
+                                                    out.data_ptr<c10::BFloat16>(), k, v, g, n_queries, n_heads);
         break;
       default:
-        attention_kernels::paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), out.data_ptr<float>(),
-                                                    k_layer.data_ptr<float>(), v_layer.data_ptr<float>(), g,
-                                                    n_queries, n_heads);
+        attention_kernels::paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), out.data_ptr<float>(), k,
+                                                    v, g, n_queries, n_heads);
         break;
     }
     return out;

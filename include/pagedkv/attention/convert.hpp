@@ -1,5 +1,6 @@
-// fp16 / bf16 -> float32 conversions for the attention kernel's portable
-// path and for the tails of the vector paths.
+// Page elements -> float32 for the attention kernel's portable path and the
+// tails of the vector paths: fp16, bf16, and the codes of quantized pages
+// (fp8 e4m3, int8), which every path decodes the same way.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -40,10 +41,39 @@ inline float half_to_float(uint16_t h) noexcept {
 
 inline float bfloat16_to_float(uint16_t h) noexcept { return float_from_bits(static_cast<uint32_t>(h) << 16); }
 
-/// One element of a cache, whatever its dtype, as float32.
+/// An fp8 e4m3 code as stored in a quantized page (a kByte element): a type
+/// of its own, so that kernels templated on the element tell it from int8.
+struct E4m3Code {
+  uint8_t bits;
+};
+
+/// What every attention path decodes an e4m3 code c to is e4m3(c) / 2^8:
+/// c's bits moved into an fp16 (sign; exponent and mantissa shifted left by
+/// 7) are e4m3(c) with the exponent bias of fp16 (15) instead of 7, for the
+/// 16 subnormal codes too, so the vector paths decode 16 codes with one
+/// integer shift, one mask and one vcvtph2ps. The kernel multiplies the
+/// code's scale by this factor instead (exact: a power of two). The NaN
+/// codes 0x7F / 0xFF, which the encoder never writes, read as +-480.
+constexpr float kE4m3ViaHalfFactor = 256.0f;
+
+/// The fp16 bits of e4m3(code) / 2^8: bit 15 the sign, bits 13..7 the code's low 7 bits.
+inline uint16_t e4m3_to_half_bits(uint8_t code) noexcept {
+  return static_cast<uint16_t>(((code & 0x80u) << 8) | ((code & 0x7Fu) << 7));
+}
+
+/// One element of a cache, whatever its dtype, as float32 (codes unscaled).
 inline float to_float32(float x) noexcept { return x; }
 inline float to_float32(c10::Half x) noexcept { return half_to_float(x.x); }
 inline float to_float32(c10::BFloat16 x) noexcept { return bfloat16_to_float(x.x); }
+inline float to_float32(E4m3Code x) noexcept { return half_to_float(e4m3_to_half_bits(x.bits)); }
+inline float to_float32(int8_t x) noexcept { return static_cast<float>(x); }
+
+/// The stored row of a block (rows are kept untyped: K and V may hold
+/// different element types) as the element type E the caller knows it has.
+template <class E>
+inline const E* row_as(const void* row) noexcept {
+  return static_cast<const E*>(row);
+}
 
 }  // namespace attention_kernels
 }  // namespace pagedkv

@@ -1,12 +1,13 @@
-// The CPU paged-attention kernel. Keys and values are read block by block
-// (kKeyBlock tokens, converted to float32 once per block into per-head runs
-// and shared by every query row of the item), with an online softmax
-// (running max and sum) in float32. The query heads of one kv head are
+// The CPU paged-attention kernel, for native and quantized pages alike. Keys
+// and values are read block by block (kKeyBlock tokens, shared by every
+// query row of the item), with an online softmax (running max and sum) in
+// float32. The query heads of one kv head are
 // scored and accumulated kRowsAtOnce at a time, so that each key and value
 // vector loaded serves all of them. Work items come from plan.hpp; the
 // arithmetic from the instruction set isa.hpp selects.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -18,13 +19,39 @@
 #include <vector>
 
 #include "pagedkv/attention/constants.hpp"
+#include "pagedkv/attention/convert.hpp"
 #include "pagedkv/attention/isa.hpp"
 #include "pagedkv/attention/plan.hpp"
+#include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_table.hpp"
 
 namespace pagedkv {
 namespace attention_kernels {
+
+/// One side (K or V) of one layer as the kernel reads it.
+struct KVSide {
+  const char* pages;    // [n_pages, <page>]: elements of the cache's dtype (native) or codes
+  int64_t elem_size;    // bytes per element
+  KVFormat format;      // native, fp8_e4m3 or int8
+  const float* scales;  // [n_pages, page_size * n_heads] in layout order; null on a native side
+
+  bool quantized() const noexcept { return scales != nullptr; }
+};
+
+/// Layer `layer` of a cache side: its pages [L, N, <page>] and, quantized,
+/// its scales [L, N, P * H] (undefined for a native side).
+inline KVSide layer_side(const at::Tensor& pages, const at::Tensor& scales, KVFormat format, int64_t layer) {
+  const at::Tensor layer_pages = pages.select(0, layer);
+  return KVSide{static_cast<const char*>(layer_pages.data_ptr()), static_cast<int64_t>(layer_pages.element_size()),
+                format, is_quantized(format) ? scales.select(0, layer).data_ptr<float>() : nullptr};
+}
+
+/// What a code's scale is multiplied by so that scale * (decoded code) is
+/// the stored value: fp8 codes decode to e4m3(c) / 2^8 (convert.hpp).
+inline float code_unit(KVFormat format) noexcept {
+  return format == KVFormat::fp8_e4m3 ? kE4m3ViaHalfFactor : 1.0f;
+}
 
 /// Raw operands of one call.
 template <class T, class Index>
@@ -33,8 +60,8 @@ struct Problem {
   const int64_t* lengths;     // [B]
   const float* q;             // [B, Sq, n_heads, D], contiguous, pre-scaled
   T* out;                     // [B, Sq, n_heads, D], contiguous
-  const T* k_pages;           // [n_pages, <page>], one layer
-  const T* v_pages;           // [n_pages, <page>], one layer
+  KVSide k;                   // one layer's keys
+  KVSide v;                   // one layer's values
   float* partials;            // [partial_rows, 2 + D]: (max, sum, acc)
   PageGeometry g;
   int64_t n_queries;  // Sq
@@ -43,17 +70,17 @@ struct Problem {
 };
 
 /// Per-thread buffers, kept between calls (at::parallel_for's threads
-/// persist), so that a decode step allocates nothing per thread. E is the
-/// element the rows point at (RowElement).
-template <class E>
+/// persist), so that a decode step allocates nothing per thread.
 struct Scratch {
-  std::vector<float> k;          // [heads * kKeyBlock, D] converted keys (E = float copies only)
-  std::vector<float> v;          // [heads * kKeyBlock, D] converted values
-  std::vector<const E*> k_rows;  // [heads, kKeyBlock]: the key of (head, token)
-  std::vector<const E*> v_rows;  // [heads, kKeyBlock]
-  std::vector<float> acc;        // [rows, D]
-  std::vector<float> max;        // [rows]
-  std::vector<float> sum;        // [rows]
+  std::vector<float> k;              // [heads * kKeyBlock, D] float32 copies of keys (copying paths only)
+  std::vector<float> v;              // [heads * kKeyBlock, D] float32 copies of values
+  std::vector<const void*> k_rows;   // [heads, kKeyBlock]: the key of (head, token), in the pages or a copy
+  std::vector<const void*> v_rows;   // [heads, kKeyBlock]
+  std::vector<float> k_scales;       // [heads, kKeyBlock]: a quantized key's scale x code_unit
+  std::vector<float> v_scales;       // [heads, kKeyBlock]
+  std::vector<float> acc;            // [rows, D]
+  std::vector<float> max;            // [rows]
+  std::vector<float> sum;            // [rows]
   float scores[kRowsAtOnce * kKeyBlock] = {};  // [kRowsAtOnce, kKeyBlock]
 
   /// The calling thread's buffers, large enough for the plan.
@@ -68,6 +95,8 @@ struct Scratch {
     }
     grow(scratch.k_rows, heads * kKeyBlock);
     grow(scratch.v_rows, heads * kKeyBlock);
+    grow(scratch.k_scales, heads * kKeyBlock);
+    grow(scratch.v_scales, heads * kKeyBlock);
     grow(scratch.acc, max_rows * head_dim);
     grow(scratch.max, max_rows);
     grow(scratch.sum, max_rows);
@@ -75,53 +104,115 @@ struct Scratch {
   }
 };
 
-/// Whether the kernel reads this call's pages in place (E = T) rather than
-/// float32 copies of each block (E = float): always on the vector paths,
-/// which convert as they load; on the portable path only for a float32
-/// cache whose head's tokens are contiguous (HND), which needs no copy.
+/// Whether the kernel reads this call's pages in place rather than float32
+/// copies of each block: always on the vector paths, which convert as they
+/// load (codes included); on the portable path only for a float32 cache
+/// whose head's tokens are contiguous (HND) and whose sides are native.
 /// In place saves the block's conversion pass and its round trip through
 /// L2 (the copies of 8 heads x 32 tokens x 128 floats, K and V, are
 /// 256 KiB): bench/NOTES.md, "attention".
 template <class Ops, class T>
-bool reads_in_place(const PageGeometry& g) {
+bool reads_in_place(const PageGeometry& g, const KVSide& k, const KVSide& v) {
   const bool head_major = g.token_stride == g.head_dim;
-  return Ops::kReadsPagesDirectly || (head_major && std::is_same<T, float>::value);
+  const bool native = !k.quantized() && !v.quantized();
+  return Ops::kReadsPagesDirectly || (head_major && native && std::is_same<T, float>::value);
 }
 
-/// What the rows of a block point at: the pages' own elements, or float32
-/// copies of them (kCopies).
+/// What a block's rows point at on a path that converts as it loads
+/// nothing: float32 copies (kCopies), or a float32 cache's own pages.
 template <bool kCopies, class T>
 using RowElement = typename std::conditional<kCopies, float, T>::type;
+
+/// The stored vector at `src` (a side's element: T, or a code) into float32.
+template <class Ops, class T>
+void side_to_float(KVFormat format, const char* src, float* dst, int64_t n) {
+  switch (format) {
+    case KVFormat::fp8_e4m3: return Ops::to_float(reinterpret_cast<const E4m3Code*>(src), dst, n);
+    case KVFormat::int8: return Ops::to_float(reinterpret_cast<const int8_t*>(src), dst, n);
+    default: return Ops::to_float(reinterpret_cast<const T*>(src), dst, n);
+  }
+}
 
 /// Points rows[h * kKeyBlock + j] at the vector of kv head h0 + h, token
 /// t0 + j: into the pages, or (kCopies) at float32 copies in `buffer`, laid
 /// out [head, token, D] so that one head's keys are adjacent (NHD rows a
 /// token apart would alias in the L1 cache: a 4 KiB stride for 8 heads x
-/// 128 x fp32).
+/// 128 x fp32). A quantized side's scales go to scales[h * kKeyBlock + j],
+/// times code_unit.
 template <class Ops, bool kCopies, class T, class Index>
-void load_block(const Problem<T, Index>& pr, const T* pages, int64_t b, int64_t h0, int64_t nh, int64_t t0, int64_t n,
-                float* buffer,  // [nh, kKeyBlock, D], for copies
-                const RowElement<kCopies, T>** rows) {
+void load_block(const Problem<T, Index>& pr, const KVSide& side, int64_t b, int64_t h0, int64_t nh, int64_t t0,
+                int64_t n,
+                float* buffer,        // [nh, kKeyBlock, D], for copies
+                const void** rows,    // [nh, kKeyBlock]
+                float* scales) {      // [nh, kKeyBlock], for a quantized side
   const PageGeometry& g = pr.g;
   const int64_t D = g.head_dim;
+  const int64_t page_bytes = g.page_elems * side.elem_size;
+  // A scale's index is its vector's element offset / D: the steps divided
+  // once here, not per vector (a 64-bit division costs ~40 cycles).
+  const int64_t page_vectors = g.page_elems / D;  // (token, head) vectors, hence scales, per page
+  const int64_t token_vectors = g.token_stride / D;
+  const int64_t head_vectors = g.head_stride / D;
+  const float unit = code_unit(side.format);
   for (int64_t t = t0; t < t0 + n;) {
     const int64_t in_page = t % g.page_size;
     const int64_t run = std::min(t0 + n - t, g.page_size - in_page);  // tokens of this page in the block
-    const T* page = pages + pr.table(b, t / g.page_size) * g.page_elems;
+    const int64_t page_id = pr.table(b, t / g.page_size);
+    const char* page = side.pages + page_id * page_bytes;
     const int64_t j0 = t - t0;
     for (int64_t j = 0; j < run; ++j) {
       for (int64_t h = 0; h < nh; ++h) {
-        const T* src = page + g.offset(in_page + j, h0 + h);
+        const int64_t offset = g.offset(in_page + j, h0 + h);  // elements into the page
+        const char* src = page + offset * side.elem_size;
+        const int64_t slot = h * kKeyBlock + j0 + j;
+        if (side.quantized()) {
+          const int64_t vector = (in_page + j) * token_vectors + (h0 + h) * head_vectors;
+          scales[slot] = side.scales[page_id * page_vectors + vector] * unit;
+        }
         if constexpr (kCopies) {
-          float* dst = buffer + (h * kKeyBlock + j0 + j) * D;
-          Ops::to_float(src, dst, D);
-          rows[h * kKeyBlock + j0 + j] = dst;
+          float* dst = buffer + slot * D;
+          side_to_float<Ops, T>(side.format, src, dst, D);
+          rows[slot] = dst;
         } else {
-          rows[h * kKeyBlock + j0 + j] = src;
+          rows[slot] = src;
         }
       }
     }
     t += run;
+  }
+}
+
+/// Ops::scores on one block's keys, as the element type they are stored in.
+template <class Ops, bool kCopies, class T>
+void score_block(KVFormat format, const float* const* q, int rows,
+                 const void* const* keys,  // n x [D]
+                 int64_t n, int64_t head_dim,
+                 float* out) {  // [rows, kKeyBlock]
+  if constexpr (kCopies || !Ops::kReadsPagesDirectly) {
+    Ops::template scores<RowElement<kCopies, T>>(q, rows, keys, n, head_dim, out);
+  } else {
+    switch (format) {
+      case KVFormat::fp8_e4m3: return Ops::template scores<E4m3Code>(q, rows, keys, n, head_dim, out);
+      case KVFormat::int8: return Ops::template scores<int8_t>(q, rows, keys, n, head_dim, out);
+      default: return Ops::template scores<T>(q, rows, keys, n, head_dim, out);
+    }
+  }
+}
+
+/// Ops::accumulate on one block's values, as the element type they are stored in.
+template <class Ops, bool kCopies, class T>
+void accumulate_block(KVFormat format, float* const* acc, int rows,
+                      const void* const* values,  // n x [D]
+                      const float* p,             // [rows, kKeyBlock]
+                      int64_t n, int64_t head_dim) {
+  if constexpr (kCopies || !Ops::kReadsPagesDirectly) {
+    Ops::template accumulate<RowElement<kCopies, T>>(acc, rows, values, p, n, head_dim);
+  } else {
+    switch (format) {
+      case KVFormat::fp8_e4m3: return Ops::template accumulate<E4m3Code>(acc, rows, values, p, n, head_dim);
+      case KVFormat::int8: return Ops::template accumulate<int8_t>(acc, rows, values, p, n, head_dim);
+      default: return Ops::template accumulate<T>(acc, rows, values, p, n, head_dim);
+    }
   }
 }
 
@@ -134,10 +225,20 @@ void store_row(T* out,            // [D]
   for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<T>(acc[d] * inv);
 }
 
+/// x[j] *= factor[j] for j < n.
+inline void multiply_by(float* __restrict x,             // [n]
+                        const float* __restrict factor,  // [n]
+                        int64_t n) noexcept {
+  for (int64_t j = 0; j < n; ++j) x[j] *= factor[j];
+}
+
 /// One work item: online softmax over keys [t0, t1), float32 state per row.
 /// Row r = ((s - s0) * nh + h) * G + i is query head (h0 + h) * G + i of query s.
+/// On a quantized side the rows hold codes: the K scale multiplies the
+/// score (q . k = scale * (q . codes)) and the V scale the softmax weight,
+/// so no scaled copy of K or V is ever made.
 template <class Ops, bool kCopies, class T, class Index>
-void run_item(const Problem<T, Index>& pr, const Work& w, Scratch<RowElement<kCopies, T>>& sc) {
+void run_item(const Problem<T, Index>& pr, const Work& w, Scratch& sc) {
   const int64_t D = pr.g.head_dim;
   const int64_t G = pr.group;
   const int64_t rows = (w.s1 - w.s0) * w.nh * G;
@@ -151,15 +252,17 @@ void run_item(const Problem<T, Index>& pr, const Work& w, Scratch<RowElement<kCo
 
   for (int64_t t0 = w.t0; t0 < w.t1; t0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, w.t1 - t0);
-    load_block<Ops, kCopies>(pr, pr.k_pages, w.b, w.h0, w.nh, t0, n, sc.k.data(), sc.k_rows.data());
-    load_block<Ops, kCopies>(pr, pr.v_pages, w.b, w.h0, w.nh, t0, n, sc.v.data(), sc.v_rows.data());
+    load_block<Ops, kCopies>(pr, pr.k, w.b, w.h0, w.nh, t0, n, sc.k.data(), sc.k_rows.data(), sc.k_scales.data());
+    load_block<Ops, kCopies>(pr, pr.v, w.b, w.h0, w.nh, t0, n, sc.v.data(), sc.v_rows.data(), sc.v_scales.data());
     for (int64_t s = w.s0; s < w.s1; ++s) {
       // Causal: query s (at position first_pos + s) sees keys <= its position.
       const int64_t visible = std::min(n, first_pos + s + 1 - t0);
       if (visible <= 0) continue;
       for (int64_t h = 0; h < w.nh; ++h) {
-        const auto* const* keys = sc.k_rows.data() + h * kKeyBlock;
-        const auto* const* values = sc.v_rows.data() + h * kKeyBlock;
+        const void* const* keys = sc.k_rows.data() + h * kKeyBlock;
+        const void* const* values = sc.v_rows.data() + h * kKeyBlock;
+        const float* k_scales = pr.k.quantized() ? sc.k_scales.data() + h * kKeyBlock : nullptr;
+        const float* v_scales = pr.v.quantized() ? sc.v_scales.data() + h * kKeyBlock : nullptr;
         // The G query heads of kv head h, up to kRowsAtOnce at a time: each
         // key and value vector is loaded once for all of them.
         for (int64_t i0 = 0; i0 < G; i0 += kRowsAtOnce) {
@@ -171,11 +274,12 @@ void run_item(const Problem<T, Index>& pr, const Work& w, Scratch<RowElement<kCo
             q[i] = pr.q + ((w.b * pr.n_queries + s) * pr.n_heads + (w.h0 + h) * G + i0 + i) * D;
             acc[i] = acc_all + (r0 + i) * D;
           }
-          Ops::scores(q, group_rows, keys, visible, D, sc.scores);
+          score_block<Ops, kCopies, T>(pr.k.format, q, group_rows, keys, visible, D, sc.scores);
           for (int i = 0; i < group_rows; ++i) {
             float* scores = sc.scores + i * kKeyBlock;
+            if (k_scales != nullptr) multiply_by(scores, k_scales, visible);
             const int64_t r = r0 + i;
-            const float block_max = *std::max_element(scores, scores + visible);
+            const float block_max = Ops::max(scores, visible);
             if (block_max > max[r]) {
               const float correction = std::exp(max[r] - block_max);  // 0 on the first block
               sum[r] *= correction;
@@ -183,8 +287,9 @@ void run_item(const Problem<T, Index>& pr, const Work& w, Scratch<RowElement<kCo
               max[r] = block_max;
             }
             sum[r] += Ops::exp_sum(scores, visible, max[r]);
+            if (v_scales != nullptr) multiply_by(scores, v_scales, visible);  // the weight the codes need
           }
-          Ops::accumulate(acc, group_rows, values, sc.scores, visible, D);
+          accumulate_block<Ops, kCopies, T>(pr.v.format, acc, group_rows, values, sc.scores, visible, D);
         }
       }
     }
@@ -211,7 +316,7 @@ void run_item(const Problem<T, Index>& pr, const Work& w, Scratch<RowElement<kCo
 /// Work items [begin, end) on the calling thread, with its scratch.
 template <class Ops, bool kCopies, class T, class Index>
 void run_items_reading(const Problem<T, Index>& pr, const Plan& p, int64_t begin, int64_t end) {
-  auto& sc = Scratch<RowElement<kCopies, T>>::local(p.max_rows, p.heads, pr.g.head_dim, kCopies);
+  auto& sc = Scratch::local(p.max_rows, p.heads, pr.g.head_dim, kCopies);
   for (int64_t i = begin; i < end; ++i) run_item<Ops, kCopies>(pr, p.work[static_cast<size_t>(i)], sc);
 }
 
@@ -220,7 +325,7 @@ void run_items(const Problem<T, Index>& pr, const Plan& p, int64_t begin, int64_
   if constexpr (Ops::kReadsPagesDirectly) {
     run_items_reading<Ops, false>(pr, p, begin, end);
   } else if constexpr (std::is_same<T, float>::value) {
-    if (reads_in_place<Ops, T>(pr.g)) return run_items_reading<Ops, false>(pr, p, begin, end);
+    if (reads_in_place<Ops, T>(pr.g, pr.k, pr.v)) return run_items_reading<Ops, false>(pr, p, begin, end);
     run_items_reading<Ops, true>(pr, p, begin, end);
   } else {
     run_items_reading<Ops, true>(pr, p, begin, end);
@@ -297,14 +402,13 @@ void paged_attention_cpu_impl(const PageTableRef<Index>& table,     // [B, max_p
                               const std::vector<int64_t>& lengths,  // [B]
                               const float* q,                       // [B, Sq, n_heads, D], contiguous, pre-scaled
                               T* out,                               // [B, Sq, n_heads, D], contiguous
-                              const T* k_pages,                     // [n_pages, <page>], one layer
-                              const T* v_pages,                     // [n_pages, <page>], one layer
+                              const KVSide& k,                      // one layer's keys
+                              const KVSide& v,                      // one layer's values
                               const PageGeometry& g, int64_t n_queries, int64_t n_heads) {
   const int64_t group = n_heads / g.n_heads;
   const Plan p = plan(lengths, n_queries, group, g.n_heads, at::get_num_threads());
   std::vector<float> partials(static_cast<size_t>(p.partial_rows * (g.head_dim + 2)));
-  const Problem<T, Index> pr{table, lengths.data(), q, out, k_pages, v_pages, partials.data(),
-                             g,     n_queries,      n_heads, group};
+  const Problem<T, Index> pr{table, lengths.data(), q, out, k, v, partials.data(), g, n_queries, n_heads, group};
   const Isa isa = selected_isa();  // decided on the calling thread (ScopedIsa is per thread)
   at::parallel_for(0, static_cast<int64_t>(p.work.size()), 1, [&](int64_t begin, int64_t end) {
     run_items_with(isa, pr, p, begin, end);

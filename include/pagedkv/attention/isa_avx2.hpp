@@ -1,9 +1,9 @@
 // The attention kernel's arithmetic with AVX2, FMA and F16C intrinsics
 // (x86-64, g++ or clang), 8 floats per instruction. Keys and values are read
-// straight from the pages (float32, fp16 or bf16) and converted as they are
-// loaded: no float32 copy of a block is made. Each function is compiled for
-// that target alone (PAGEDKV_TARGET_AVX2), so one binary runs everywhere;
-// isa.hpp checks the CPU at run time. Same results as Portable
+// straight from the pages (float32, fp16, bf16, or fp8 / int8 codes) and
+// converted as they are loaded: no float32 copy of a block is made. Each
+// function is compiled for that target alone (PAGEDKV_TARGET_AVX2), so one
+// binary runs everywhere; isa.hpp checks the CPU at run time. Same results as Portable
 // (isa_portable.hpp) within float rounding.
 #pragma once
 
@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "pagedkv/attention/constants.hpp"
 #include "pagedkv/attention/convert.hpp"
@@ -34,15 +35,28 @@ struct Avx2 {
   template <class E>
   PAGEDKV_TARGET_AVX2 static void scores(const float* const* q,  // rows x [D]
                                          int rows,
-                                         const E* const* keys,   // n x [D]
+                                         const void* const* keys, // n x [D]
                                          int64_t n, int64_t head_dim,
                                          float* out) noexcept {  // [rows, kKeyBlock]
     switch (rows) {
-      case 4: return scores_rows<4>(q, keys, n, head_dim, out);
-      case 3: return scores_rows<3>(q, keys, n, head_dim, out);
-      case 2: return scores_rows<2>(q, keys, n, head_dim, out);
-      default: return scores_rows<1>(q, keys, n, head_dim, out);
+      case 4: return scores_rows<4, E>(q, keys, n, head_dim, out);
+      case 3: return scores_rows<3, E>(q, keys, n, head_dim, out);
+      case 2: return scores_rows<2, E>(q, keys, n, head_dim, out);
+      default: return scores_rows<1, E>(q, keys, n, head_dim, out);
     }
+  }
+
+  /// The largest of scores[0, n), n >= 1.
+  PAGEDKV_TARGET_AVX2 static float max(const float* scores,  // [n]
+                                       int64_t n) noexcept {
+    __m256 m = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(scores + j));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float best = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+    for (; j < n; ++j) best = scores[j] > best ? scores[j] : best;
+    return best;
   }
 
   /// scores[j] = exp(scores[j] - max); returns their sum.
@@ -73,14 +87,14 @@ struct Avx2 {
   template <class E>
   PAGEDKV_TARGET_AVX2 static void accumulate(float* const* acc,  // rows x [D]
                                              int rows,
-                                             const E* const* v,  // n x [D]
+                                             const void* const* v,// n x [D]
                                              const float* p,     // [rows, kKeyBlock]
                                              int64_t n, int64_t head_dim) noexcept {
     switch (rows) {
-      case 4: return accumulate_rows<4>(acc, v, p, n, head_dim);
-      case 3: return accumulate_rows<3>(acc, v, p, n, head_dim);
-      case 2: return accumulate_rows<2>(acc, v, p, n, head_dim);
-      default: return accumulate_rows<1>(acc, v, p, n, head_dim);
+      case 4: return accumulate_rows<4, E>(acc, v, p, n, head_dim);
+      case 3: return accumulate_rows<3, E>(acc, v, p, n, head_dim);
+      case 2: return accumulate_rows<2, E>(acc, v, p, n, head_dim);
+      default: return accumulate_rows<1, E>(acc, v, p, n, head_dim);
     }
   }
 
@@ -101,6 +115,14 @@ struct Avx2 {
   PAGEDKV_TARGET_AVX2 static __m256 load8(const c10::BFloat16* p) noexcept {
     const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  /// 8 fp8 codes as e4m3(c) / 2^8: Avx512::load16's decode, 8 lanes.
+  PAGEDKV_TARGET_AVX2 static __m256 load8(const E4m3Code* p) noexcept {
+    const __m128i widened = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(widened, 7), _mm_set1_epi16(-0x4001)));
+  }
+  PAGEDKV_TARGET_AVX2 static __m256 load8(const int8_t* p) noexcept {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
   /// `count` (< 8) elements as float32, zeros after (the tail of an odd head_dim).
   template <class E>
@@ -139,7 +161,7 @@ struct Avx2 {
   /// FMA chains over head_dim, then out[r * kKeyBlock + k].
   template <int R, int K, class E>
   PAGEDKV_TARGET_AVX2 static void score_keys(const float* const* q,  // R x [D]
-                                             const E* const* keys,   // K x [D]
+                                             const void* const* keys, // K x [D]
                                              int64_t head_dim, float* out) noexcept {
     __m256 acc[K][4];
     for (int k = 0; k < K; ++k)
@@ -147,13 +169,13 @@ struct Avx2 {
     int64_t d = 0;
     for (; d + 8 <= head_dim; d += 8) {
       for (int k = 0; k < K; ++k) {
-        const __m256 key = load8(keys[k] + d);
+        const __m256 key = load8(row_as<E>(keys[k]) + d);
         for (int r = 0; r < R; ++r) acc[k][r] = _mm256_fmadd_ps(key, _mm256_loadu_ps(q[r] + d), acc[k][r]);
       }
     }
     if (d < head_dim) {
       for (int k = 0; k < K; ++k) {
-        const __m256 key = load_first(keys[k] + d, head_dim - d);
+        const __m256 key = load_first(row_as<E>(keys[k]) + d, head_dim - d);
         for (int r = 0; r < R; ++r)
           acc[k][r] = _mm256_fmadd_ps(key, load_first(q[r] + d, head_dim - d), acc[k][r]);
       }
@@ -172,18 +194,18 @@ struct Avx2 {
 
   template <int R, class E>
   PAGEDKV_TARGET_AVX2 static void scores_rows(const float* const* q,  // R x [D]
-                                              const E* const* keys,   // n x [D]
+                                              const void* const* keys, // n x [D]
                                               int64_t n, int64_t head_dim,
                                               float* out) noexcept {  // [R, kKeyBlock]
     constexpr int kKeys = R == 1 ? 4 : 2;  // keys per pass: enough independent chains
     int64_t j = 0;
-    for (; j + kKeys <= n; j += kKeys) score_keys<R, kKeys>(q, keys + j, head_dim, out + j);
-    for (; j < n; ++j) score_keys<R, 1>(q, keys + j, head_dim, out + j);
+    for (; j + kKeys <= n; j += kKeys) score_keys<R, kKeys, E>(q, keys + j, head_dim, out + j);
+    for (; j < n; ++j) score_keys<R, 1, E>(q, keys + j, head_dim, out + j);
   }
 
   template <int R, class E>
   PAGEDKV_TARGET_AVX2 static void accumulate_rows(float* const* acc,  // R x [D]
-                                                  const E* const* v,  // n x [D]
+                                                  const void* const* v,// n x [D]
                                                   const float* p,     // [R, kKeyBlock]
                                                   int64_t n, int64_t head_dim) noexcept {
     int64_t d = 0;
@@ -194,8 +216,8 @@ struct Avx2 {
         b[r] = _mm256_loadu_ps(acc[r] + d + 8);
       }
       for (int64_t j = 0; j < n; ++j) {
-        const __m256 v0 = load8(v[j] + d);
-        const __m256 v1 = load8(v[j] + d + 8);
+        const __m256 v0 = load8(row_as<E>(v[j]) + d);
+        const __m256 v1 = load8(row_as<E>(v[j]) + d + 8);
         for (int r = 0; r < R; ++r) {
           const __m256 pj = _mm256_broadcast_ss(p + r * kKeyBlock + j);
           a[r] = _mm256_fmadd_ps(pj, v0, a[r]);
@@ -211,14 +233,14 @@ struct Avx2 {
       __m256 a[R];
       for (int r = 0; r < R; ++r) a[r] = _mm256_loadu_ps(acc[r] + d);
       for (int64_t j = 0; j < n; ++j) {
-        const __m256 v0 = load8(v[j] + d);
+        const __m256 v0 = load8(row_as<E>(v[j]) + d);
         for (int r = 0; r < R; ++r) a[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + r * kKeyBlock + j), v0, a[r]);
       }
       for (int r = 0; r < R; ++r) _mm256_storeu_ps(acc[r] + d, a[r]);
     }
     for (; d < head_dim; ++d)  // the tail of an odd head_dim
       for (int r = 0; r < R; ++r)
-        for (int64_t j = 0; j < n; ++j) acc[r][d] += p[r * kKeyBlock + j] * to_float32(v[j][d]);
+        for (int64_t j = 0; j < n; ++j) acc[r][d] += p[r * kKeyBlock + j] * to_float32(row_as<E>(v[j])[d]);
   }
 };
 

@@ -1,6 +1,6 @@
 // The attention kernel's arithmetic with AVX-512F intrinsics, 16 floats per
 // instruction. Like Avx2 it reads keys and values straight from the pages
-// (float32, fp16 or bf16), converting as it loads. Compiled for that target
+// (float32, fp16, bf16, or fp8 / int8 codes), converting as it loads. Compiled for that target
 // alone (PAGEDKV_TARGET_AVX512) and chosen at run time by isa.hpp on CPUs
 // that have it. Same results as Portable within float rounding.
 #pragma once
@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <limits>
 
 #include "pagedkv/attention/constants.hpp"
 #include "pagedkv/attention/convert.hpp"
@@ -43,15 +44,25 @@ struct Avx512 {
   template <class E>
   PAGEDKV_TARGET_AVX512 static void scores(const float* const* q,  // rows x [D]
                                            int rows,
-                                           const E* const* keys,   // n x [D]
+                                           const void* const* keys, // n x [D]
                                            int64_t n, int64_t head_dim,
                                            float* out) noexcept {  // [rows, kKeyBlock]
     switch (rows) {
-      case 4: return scores_rows<4>(q, keys, n, head_dim, out);
-      case 3: return scores_rows<3>(q, keys, n, head_dim, out);
-      case 2: return scores_rows<2>(q, keys, n, head_dim, out);
-      default: return scores_rows<1>(q, keys, n, head_dim, out);
+      case 4: return scores_rows<4, E>(q, keys, n, head_dim, out);
+      case 3: return scores_rows<3, E>(q, keys, n, head_dim, out);
+      case 2: return scores_rows<2, E>(q, keys, n, head_dim, out);
+      default: return scores_rows<1, E>(q, keys, n, head_dim, out);
     }
+  }
+
+  /// The largest of scores[0, n), n >= 1.
+  PAGEDKV_TARGET_AVX512 static float max(const float* scores,  // [n]
+                                         int64_t n) noexcept {
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(scores + j));
+    if (j < n) m = _mm512_mask_max_ps(m, first_lanes(n - j), m, _mm512_maskz_loadu_ps(first_lanes(n - j), scores + j));
+    return _mm512_reduce_max_ps(m);
   }
 
   /// scores[j] = exp(scores[j] - max); returns their sum.
@@ -79,14 +90,14 @@ struct Avx512 {
   template <class E>
   PAGEDKV_TARGET_AVX512 static void accumulate(float* const* acc,  // rows x [D]
                                                int rows,
-                                               const E* const* v,  // n x [D]
+                                               const void* const* v,// n x [D]
                                                const float* p,     // [rows, kKeyBlock]
                                                int64_t n, int64_t head_dim) noexcept {
     switch (rows) {
-      case 4: return accumulate_rows<4>(acc, v, p, n, head_dim);
-      case 3: return accumulate_rows<3>(acc, v, p, n, head_dim);
-      case 2: return accumulate_rows<2>(acc, v, p, n, head_dim);
-      default: return accumulate_rows<1>(acc, v, p, n, head_dim);
+      case 4: return accumulate_rows<4, E>(acc, v, p, n, head_dim);
+      case 3: return accumulate_rows<3, E>(acc, v, p, n, head_dim);
+      case 2: return accumulate_rows<2, E>(acc, v, p, n, head_dim);
+      default: return accumulate_rows<1, E>(acc, v, p, n, head_dim);
     }
   }
 
@@ -115,6 +126,17 @@ struct Avx512 {
   PAGEDKV_TARGET_AVX512 static __m512 load16(const c10::BFloat16* p) noexcept {
     const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  /// 16 fp8 codes as e4m3(c) / 2^8 (convert.hpp, kE4m3ViaHalfFactor): the
+  /// sign-extended byte shifted left by 7 is the fp16 once bit 14 (a copy
+  /// of the sign) is cleared.
+  PAGEDKV_TARGET_AVX512 static __m512 load16(const E4m3Code* p) noexcept {
+    const __m256i widened = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i half_bits = _mm256_and_si256(_mm256_slli_epi16(widened, 7), _mm256_set1_epi16(-0x4001));
+    return _mm512_cvtph_ps(half_bits);
+  }
+  PAGEDKV_TARGET_AVX512 static __m512 load16(const int8_t* p) noexcept {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
   /// `count` (< 16) elements as float32, zeros after (the tail of an odd head_dim).
   template <class E>
@@ -164,7 +186,7 @@ struct Avx512 {
   /// FMA chains over head_dim, then out[r * kKeyBlock + k].
   template <int R, int K, class E>
   PAGEDKV_TARGET_AVX512 static void score_keys(const float* const* q,  // R x [D]
-                                               const E* const* keys,   // K x [D]
+                                               const void* const* keys, // K x [D]
                                                int64_t head_dim, float* out) noexcept {
     __m512 acc[K][4];
     for (int k = 0; k < K; ++k)
@@ -172,14 +194,14 @@ struct Avx512 {
     int64_t d = 0;
     for (; d + 16 <= head_dim; d += 16) {
       for (int k = 0; k < K; ++k) {
-        const __m512 key = load16(keys[k] + d);
+        const __m512 key = load16(row_as<E>(keys[k]) + d);
         for (int r = 0; r < R; ++r) acc[k][r] = _mm512_fmadd_ps(key, _mm512_loadu_ps(q[r] + d), acc[k][r]);
       }
     }
     if (d < head_dim) {
       const __mmask16 lanes = first_lanes(head_dim - d);
       for (int k = 0; k < K; ++k) {
-        const __m512 key = load_first(keys[k] + d, head_dim - d);
+        const __m512 key = load_first(row_as<E>(keys[k]) + d, head_dim - d);
         for (int r = 0; r < R; ++r)
           acc[k][r] = _mm512_fmadd_ps(key, _mm512_maskz_loadu_ps(lanes, q[r] + d), acc[k][r]);
       }
@@ -198,18 +220,18 @@ struct Avx512 {
 
   template <int R, class E>
   PAGEDKV_TARGET_AVX512 static void scores_rows(const float* const* q,  // R x [D]
-                                                const E* const* keys,   // n x [D]
+                                                const void* const* keys, // n x [D]
                                                 int64_t n, int64_t head_dim,
                                                 float* out) noexcept {  // [R, kKeyBlock]
     constexpr int kKeys = R == 1 ? 4 : 2;  // keys per pass: enough independent chains
     int64_t j = 0;
-    for (; j + kKeys <= n; j += kKeys) score_keys<R, kKeys>(q, keys + j, head_dim, out + j);
-    for (; j < n; ++j) score_keys<R, 1>(q, keys + j, head_dim, out + j);
+    for (; j + kKeys <= n; j += kKeys) score_keys<R, kKeys, E>(q, keys + j, head_dim, out + j);
+    for (; j < n; ++j) score_keys<R, 1, E>(q, keys + j, head_dim, out + j);
   }
 
   template <int R, class E>
   PAGEDKV_TARGET_AVX512 static void accumulate_rows(float* const* acc,  // R x [D]
-                                                    const E* const* v,  // n x [D]
+                                                    const void* const* v,// n x [D]
                                                     const float* p,     // [R, kKeyBlock]
                                                     int64_t n, int64_t head_dim) noexcept {
     int64_t d = 0;
@@ -220,8 +242,8 @@ struct Avx512 {
         b[r] = _mm512_loadu_ps(acc[r] + d + 16);
       }
       for (int64_t j = 0; j < n; ++j) {
-        const __m512 v0 = load16(v[j] + d);
-        const __m512 v1 = load16(v[j] + d + 16);
+        const __m512 v0 = load16(row_as<E>(v[j]) + d);
+        const __m512 v1 = load16(row_as<E>(v[j]) + d + 16);
         for (int r = 0; r < R; ++r) {
           const __m512 pj = _mm512_set1_ps(p[r * kKeyBlock + j]);
           a[r] = _mm512_fmadd_ps(pj, v0, a[r]);
@@ -239,7 +261,7 @@ struct Avx512 {
       __m512 a[R];
       for (int r = 0; r < R; ++r) a[r] = _mm512_maskz_loadu_ps(lanes, acc[r] + d);
       for (int64_t j = 0; j < n; ++j) {
-        const __m512 v0 = count == 16 ? load16(v[j] + d) : load_first(v[j] + d, count);
+        const __m512 v0 = count == 16 ? load16(row_as<E>(v[j]) + d) : load_first(row_as<E>(v[j]) + d, count);
         for (int r = 0; r < R; ++r) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kKeyBlock + j]), v0, a[r]);
       }
       for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(acc[r] + d, lanes, a[r]);
