@@ -1,7 +1,8 @@
 // The operation-script engine behind the fuzzer, the corpus replay test and
 // the soak test. It decodes bytes into a cache configuration (native pages,
-// or K and/or V quantized to fp8 e4m3 / int8) and a script of calls (alloc, alloc_n, free, retain, ref_count, write with an int or a
-// tensor start_pos, gather with and without lengths, bind with total_len or
+// or K and/or V quantized to fp8 e4m3 / int8) and a script of calls (alloc,
+// alloc_n, free, retain, ref_count, write with an int or a tensor
+// start_pos, gather with and without lengths, bind with total_len or
 // lengths, and writes/gathers/in-place table edits through bound views), with
 // random and garbage page tables, positions, lengths and K/V tensors, and runs
 // it against a PagedCache and a simple reference model. After every call:
@@ -203,8 +204,9 @@ struct Model {
 
   Model(int64_t l, int64_t n, int64_t p, int64_t h, int64_t d, pagedkv::KVQuant q)
       : n_layers(l), n_pages(n), page_size(p), n_heads(h), head_dim(d), quant(q), refs(static_cast<size_t>(n), 0),
-        k(static_cast<size_t>(l * n * p * h * d), 0), v(k.size(), 0), k_scales(static_cast<size_t>(l * n * p * h), 0.0f),
-        v_scales(k_scales.size(), 0.0f), known(static_cast<size_t>(l * n * p), 1) {}
+        k(static_cast<size_t>(l * n * p * h * d), 0), v(k.size(), 0),
+        k_scales(static_cast<size_t>(l * n * p * h), 0.0f), v_scales(k_scales.size(), 0.0f),
+        known(static_cast<size_t>(l * n * p), 1) {}
 
   bool allocated(int64_t page) const { return page >= 0 && page < n_pages && refs[static_cast<size_t>(page)] > 0; }
   bool in_range(int64_t page) const { return page >= 0 && page < n_pages; }
