@@ -1,16 +1,21 @@
 // The operation-script engine behind the fuzzer, the corpus replay test and
-// the soak test. It decodes bytes into a cache configuration and a script of
-// calls (alloc, alloc_n, free, retain, ref_count, write with an int or a
-// tensor start_pos, gather with and without lengths, bind with total_len or
+// the soak test. It decodes bytes into a cache configuration (native pages,
+// or K and/or V quantized to fp8 e4m3 / int8) and a script of calls (alloc,
+// alloc_n, free, retain, ref_count, write with an int or a tensor
+// start_pos, gather with and without lengths, bind with total_len or
 // lengths, and writes/gathers/in-place table edits through bound views), with
 // random and garbage page tables, positions, lengths and K/V tensors, and runs
 // it against a PagedCache and a simple reference model. After every call:
 //
 // - the model says whether the call must succeed; it must, or throw c10::Error
 //   (a message naming the pagedkv function), and nothing else;
-// - a call that throws left the cache's tensors, every ref_count and n_free
-//   bit-identical to before;
-// - results (alloc ids, ref counts, gathered K/V) equal the model's;
+// - a call that throws left the cache's tensors (K/V codes and scales),
+//   every ref_count and n_free bit-identical to before;
+// - results (alloc ids, ref counts, gathered K/V) equal the model's; for a
+//   quantized side the model applies the library's scalar codec
+//   (quant::quantize_loop) to each written (token, head) vector, so it
+//   predicts codes, scales and hence gathered values bit for bit (the
+//   vector paths are tested bit-identical to the scalar one);
 // - every check_every calls: PagedCache::check() and the whole K/V storage
 //   against the model.
 //
@@ -37,6 +42,7 @@
 #include <vector>
 
 #include "pagedkv/pagedkv.hpp"
+#include "pagedkv/quant_codecs.hpp"
 
 namespace pagedkv_fuzz {
 
@@ -59,6 +65,8 @@ class Bytes {
   Bytes(const uint8_t* data, size_t size) : data_(data), size_(size) {}
   bool empty() const { return pos_ >= size_; }
   uint8_t u8() { return pos_ < size_ ? data_[pos_++] : uint8_t{0}; }
+  /// The byte u8() would read next, not consumed.
+  uint8_t peek() const { return pos_ < size_ ? data_[pos_] : uint8_t{0}; }
   /// A value in [lo, hi]; hi - lo < 65536.
   int64_t range(int64_t lo, int64_t hi) {
     const auto span = static_cast<uint32_t>(hi - lo + 1);
@@ -159,18 +167,46 @@ inline std::string describe(const at::Tensor& t) {
   return os.str();
 }
 
-/// The reference model: ref counts and the logical K/V values [L, N, P, H, D]
-/// with, per (layer, page, offset), whether the value is determinate (two
-/// rows writing the same slot in one call leave it either's).
+/// The codes (as int64: 0..255 for fp8, -127..127 for int8) and the scale
+/// of one head vector x, as the library's scalar codec computes them.
+inline float quantize_head(pagedkv::KVFormat f, const float* x,  // [n]
+                           int64_t n, int64_t* codes) {          // [n]
+  if (f == pagedkv::KVFormat::fp8_e4m3) {
+    std::vector<uint8_t> c(static_cast<size_t>(n));
+    const float scale = pagedkv::quant::quantize_loop<pagedkv::KVFormat::fp8_e4m3>(x, n, c.data());
+    std::copy(c.begin(), c.end(), codes);
+    return scale;
+  }
+  std::vector<int8_t> c(static_cast<size_t>(n));
+  const float scale = pagedkv::quant::quantize_loop<pagedkv::KVFormat::int8>(x, n, c.data());
+  std::copy(c.begin(), c.end(), codes);
+  return scale;
+}
+
+/// decode(code) * scale, in float32 as the library dequantizes.
+inline float dequantize(pagedkv::KVFormat f, int64_t code, float scale) {
+  return f == pagedkv::KVFormat::fp8_e4m3 ? pagedkv::quant::decode_e4m3(static_cast<uint8_t>(code)) * scale
+                                          : pagedkv::quant::decode_int8(static_cast<int8_t>(code)) * scale;
+}
+
+/// The reference model: ref counts and the stored K/V [L, N, P, H, D] (the
+/// values of a native side, the codes of a quantized one, whose scales are
+/// in k_scales / v_scales [L, N, P, H]) with, per (layer, page, offset),
+/// whether the slot is determinate (two rows writing the same slot in one
+/// call leave it either's).
 struct Model {
   int64_t n_layers, n_pages, page_size, n_heads, head_dim;
+  pagedkv::KVQuant quant;
   std::vector<int32_t> refs;
   std::vector<int64_t> k, v;
+  std::vector<float> k_scales, v_scales;
   std::vector<uint8_t> known;
 
-  Model(int64_t l, int64_t n, int64_t p, int64_t h, int64_t d)
-      : n_layers(l), n_pages(n), page_size(p), n_heads(h), head_dim(d), refs(static_cast<size_t>(n), 0),
-        k(static_cast<size_t>(l * n * p * h * d), 0), v(k.size(), 0), known(static_cast<size_t>(l * n * p), 1) {}
+  Model(int64_t l, int64_t n, int64_t p, int64_t h, int64_t d, pagedkv::KVQuant q)
+      : n_layers(l), n_pages(n), page_size(p), n_heads(h), head_dim(d), quant(q), refs(static_cast<size_t>(n), 0),
+        k(static_cast<size_t>(l * n * p * h * d), 0), v(k.size(), 0),
+        k_scales(static_cast<size_t>(l * n * p * h), 0.0f), v_scales(k_scales.size(), 0.0f),
+        known(static_cast<size_t>(l * n * p), 1) {}
 
   bool allocated(int64_t page) const { return page >= 0 && page < n_pages && refs[static_cast<size_t>(page)] > 0; }
   bool in_range(int64_t page) const { return page >= 0 && page < n_pages; }
@@ -182,6 +218,10 @@ struct Model {
   }
   size_t slot(int64_t layer, int64_t page, int64_t off) const {
     return static_cast<size_t>((layer * n_pages + page) * page_size + off);
+  }
+  /// Index of a (token slot, head) scale.
+  size_t head(int64_t layer, int64_t page, int64_t off, int64_t h) const {
+    return slot(layer, page, off) * static_cast<size_t>(n_heads) + static_cast<size_t>(h);
   }
   size_t elem(int64_t layer, int64_t page, int64_t off, int64_t h, int64_t d) const {
     return ((slot(layer, page, off) * static_cast<size_t>(n_heads)) + static_cast<size_t>(h)) *
@@ -232,11 +272,11 @@ template <class Layout>
 class Runner {
  public:
   Runner(Bytes& in, const Options& opt, int64_t n_layers, int64_t n_pages, int64_t page_size, int64_t n_heads,
-         int64_t head_dim, at::ScalarType dtype)
+         int64_t head_dim, at::ScalarType dtype, pagedkv::KVQuant quant)
       : in_(in),
         opt_(opt),
-        cache_(n_layers, n_pages, page_size, n_heads, head_dim, at::TensorOptions().dtype(dtype)),
-        model_(n_layers, n_pages, page_size, n_heads, head_dim),
+        cache_(n_layers, n_pages, page_size, n_heads, head_dim, at::TensorOptions().dtype(dtype), quant),
+        model_(n_layers, n_pages, page_size, n_heads, head_dim, quant),
         dtype_(dtype) {}
 
   Stats run() {
@@ -385,17 +425,22 @@ class Runner {
 
   struct Snapshot {
     at::Tensor k, v;
+    at::Tensor k_scales, v_scales;  // undefined for a native side
     std::vector<int64_t> refs;
     int64_t n_free;
   };
 
+  static at::Tensor clone_if_defined(const at::Tensor& t) { return t.defined() ? t.clone() : at::Tensor(); }
+
   Snapshot snapshot() const {
-    Snapshot s{cache_.k_cache().clone(), cache_.v_cache().clone(), {}, cache_.n_free()};
+    Snapshot s{cache_.k_cache().clone(), cache_.v_cache().clone(), clone_if_defined(cache_.k_scales()),
+               clone_if_defined(cache_.v_scales()), {}, cache_.n_free()};
     for (int64_t p = 0; p < cache_.n_pages(); ++p) s.refs.push_back(cache_.ref_count(p));
     return s;
   }
 
   static bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
+    if (!a.defined() || !b.defined()) return a.defined() == b.defined();
     return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
            std::memcmp(a.data_ptr(), b.data_ptr(), static_cast<size_t>(a.numel()) * a.element_size()) == 0;
   }
@@ -403,6 +448,8 @@ class Runner {
   void expect_unchanged(const Snapshot& before, const std::string& what) const {
     if (!same_bytes(before.k, cache_.k_cache()) || !same_bytes(before.v, cache_.v_cache()))
       fail(what, " threw but changed the K/V storage");
+    if (!same_bytes(before.k_scales, cache_.k_scales()) || !same_bytes(before.v_scales, cache_.v_scales()))
+      fail(what, " threw but changed the K/V scales");
     const Snapshot after = snapshot();
     if (after.refs != before.refs || after.n_free != before.n_free)
       fail(what, " threw but changed the pool: refs ", detail::join(before.refs), " -> ", detail::join(after.refs));
@@ -449,6 +496,30 @@ class Runner {
     return t.to(at::kLong).contiguous();
   }
 
+  /// The cache's K or V scales as float32 [L, N, P, H] (token-major).
+  at::Tensor logical_scales(const at::Tensor& scales) const {
+    const int64_t L = model_.n_layers, N = model_.n_pages, P = model_.page_size, H = model_.n_heads;
+    if (std::is_same<Layout, pagedkv::HND>::value) return scales.view({L, N, H, P}).permute({0, 1, 3, 2}).contiguous();
+    return scales.view({L, N, P, H}).contiguous();
+  }
+
+  /// A quantized side's scales against the model's, bit for bit, on every determinate slot.
+  void check_scales(const char* side, const at::Tensor& scales, const std::vector<float>& want) const {
+    const at::Tensor got = logical_scales(scales);
+    const float* data = got.data_ptr<float>();
+    for (int64_t l = 0; l < model_.n_layers; ++l)
+      for (int64_t p = 0; p < model_.n_pages; ++p)
+        for (int64_t o = 0; o < model_.page_size; ++o) {
+          if (!model_.known[model_.slot(l, p, o)]) continue;
+          for (int64_t h = 0; h < model_.n_heads; ++h) {
+            const size_t i = model_.head(l, p, o, h);
+            if (pagedkv::quant::float_bits(data[i]) != pagedkv::quant::float_bits(want[i]))
+              fail(side, " scale differs from the model at layer ", l, " page ", p, " offset ", o, " head ", h, ": ",
+                   data[i], ", model ", want[i]);
+          }
+        }
+  }
+
   void full_check() {
     ++stats_.checks;
     try {
@@ -473,11 +544,30 @@ class Runner {
               fail("storage differs from the model at layer ", l, " page ", p, " offset ", o);
           }
         }
+    if (pagedkv::is_quantized(model_.quant.k)) check_scales("k", cache_.k_scales(), model_.k_scales);
+    if (pagedkv::is_quantized(model_.quant.v)) check_scales("v", cache_.v_scales(), model_.v_scales);
+  }
+
+  /// A float32 value in the cache's dtype (round to nearest even, as gather narrows), as a double.
+  double in_dtype(float x) const {
+    if (dtype_ == at::kHalf) return static_cast<float>(c10::Half(x));
+    if (dtype_ == at::kBFloat16) return static_cast<float>(c10::BFloat16(x));
+    return x;
+  }
+
+  /// What gather returns for element i (of H x D) of a determinate slot, as a double.
+  double gathered(pagedkv::KVFormat format, const std::vector<int64_t>& stored, const std::vector<float>& scales,
+                  int64_t layer, int64_t page, int64_t off, int64_t i) const {
+    const int64_t value = stored[model_.elem(layer, page, off, 0, 0) + static_cast<size_t>(i)];
+    if (!pagedkv::is_quantized(format)) return static_cast<double>(value);
+    const float scale = scales[model_.head(layer, page, off, i / model_.head_dim)];
+    return in_dtype(detail::dequantize(format, value, scale));
   }
 
   /// out = (k, v) [B, T, H, D] must hold, for row b and t < lengths[b], the
   /// model's values of page table(b, t / P) (zeros when unmapped), and zeros
-  /// past lengths[b].
+  /// past lengths[b]; a quantized side's values dequantized from the
+  /// model's codes and scales, in the cache's dtype, exactly.
   void check_gathered(const std::string& what, const std::pair<at::Tensor, at::Tensor>& out, int64_t layer,
                       const Table& table, const std::vector<int64_t>& lengths, int64_t n_tokens) const {
     const std::vector<int64_t> shape{table.rows, n_tokens, model_.n_heads, model_.head_dim};
@@ -485,10 +575,11 @@ class Runner {
       if (t->sizes() != at::IntArrayRef(shape) || t->scalar_type() != dtype_ || !t->is_contiguous())
         fail(what, " returned ", detail::describe(*t), ", expected contiguous ", dtype_, at::IntArrayRef(shape));
     }
-    const at::Tensor k = out.first.to(at::kLong).contiguous();
-    const at::Tensor v = out.second.to(at::kLong).contiguous();
-    const int64_t* kd = k.data_ptr<int64_t>();
-    const int64_t* vd = v.data_ptr<int64_t>();
+    // Doubles hold every value of every dtype used exactly (int16/int8/float64 small integers).
+    const at::Tensor k = out.first.to(at::kDouble).contiguous();
+    const at::Tensor v = out.second.to(at::kDouble).contiguous();
+    const double* kd = k.data_ptr<double>();
+    const double* vd = v.data_ptr<double>();
     const int64_t hd = model_.n_heads * model_.head_dim;
     const int64_t P = model_.page_size;
     for (int64_t b = 0; b < table.rows; ++b)
@@ -497,10 +588,12 @@ class Runner {
         if (page != pagedkv::kUnmappedPage && !model_.known[model_.slot(layer, page, t % P)]) continue;
         const size_t out_base = static_cast<size_t>((b * n_tokens + t) * hd);
         for (int64_t i = 0; i < hd; ++i) {
-          const int64_t want_k =
-              page == pagedkv::kUnmappedPage ? 0 : model_.k[model_.elem(layer, page, t % P, 0, 0) + static_cast<size_t>(i)];
-          const int64_t want_v =
-              page == pagedkv::kUnmappedPage ? 0 : model_.v[model_.elem(layer, page, t % P, 0, 0) + static_cast<size_t>(i)];
+          const double want_k = page == pagedkv::kUnmappedPage
+                                    ? 0.0
+                                    : gathered(model_.quant.k, model_.k, model_.k_scales, layer, page, t % P, i);
+          const double want_v = page == pagedkv::kUnmappedPage
+                                    ? 0.0
+                                    : gathered(model_.quant.v, model_.v, model_.v_scales, layer, page, t % P, i);
           if (kd[out_base + static_cast<size_t>(i)] != want_k || vd[out_base + static_cast<size_t>(i)] != want_v)
             fail(what, " returned a wrong value at row ", b, " token ", t, " element ", i, ": k ",
                  kd[out_base + static_cast<size_t>(i)], " (want ", want_k, "), v ", vd[out_base + static_cast<size_t>(i)],
@@ -539,6 +632,9 @@ class Runner {
     const int64_t hd = model_.n_heads * model_.head_dim;
     const at::Tensor kl = k.to(at::kLong).contiguous();
     const at::Tensor vl = v.to(at::kLong).contiguous();
+    // The library quantizes the float32 widening of the input (exact for every dtype here).
+    const at::Tensor kf = k.to(at::kFloat).contiguous();
+    const at::Tensor vf = v.to(at::kFloat).contiguous();
     std::vector<int> writers(static_cast<size_t>(model_.n_pages * model_.page_size), 0);
     for (int64_t r = 0; r < table.rows; ++r)
       for (int64_t s = 0; s < n; ++s) {
@@ -547,13 +643,28 @@ class Runner {
         const int64_t off = pos % model_.page_size;
         const bool conflict = ++writers[static_cast<size_t>(page * model_.page_size + off)] > 1;
         model_.known[model_.slot(layer, page, off)] = conflict ? 0 : 1;
-        const size_t base = model_.elem(layer, page, off, 0, 0);
         const size_t src = static_cast<size_t>((r * n + s) * hd);
-        for (int64_t i = 0; i < hd; ++i) {
-          model_.k[base + static_cast<size_t>(i)] = kl.data_ptr<int64_t>()[src + static_cast<size_t>(i)];
-          model_.v[base + static_cast<size_t>(i)] = vl.data_ptr<int64_t>()[src + static_cast<size_t>(i)];
-        }
+        store_side(model_.quant.k, kl, kf, src, layer, page, off, model_.k, model_.k_scales);
+        store_side(model_.quant.v, vl, vf, src, layer, page, off, model_.v, model_.v_scales);
       }
+  }
+
+  /// The model's stored values (native) or codes and scales (quantized) of
+  /// one written token: H x D inputs from element `src` of x_long / x_float.
+  void store_side(pagedkv::KVFormat format, const at::Tensor& x_long, const at::Tensor& x_float, size_t src,
+                  int64_t layer, int64_t page, int64_t off, std::vector<int64_t>& stored, std::vector<float>& scales) {
+    const size_t base = model_.elem(layer, page, off, 0, 0);
+    const int64_t hd = model_.n_heads * model_.head_dim;
+    if (!pagedkv::is_quantized(format)) {
+      for (int64_t i = 0; i < hd; ++i)
+        stored[base + static_cast<size_t>(i)] = x_long.data_ptr<int64_t>()[src + static_cast<size_t>(i)];
+      return;
+    }
+    for (int64_t h = 0; h < model_.n_heads; ++h) {
+      const size_t first = static_cast<size_t>(h * model_.head_dim);
+      scales[model_.head(layer, page, off, h)] = detail::quantize_head(
+          format, x_float.data_ptr<float>() + src + first, model_.head_dim, stored.data() + base + first);
+    }
   }
 
   // ---------------------------------------------------------------- operations
@@ -824,6 +935,21 @@ class Runner {
   int64_t seed_ = 0;
 };
 
+/// The K/V formats, from the n_layers byte: with the default max_layers (2)
+/// n_layers reads only its bit 0, and scripts before quantized pages ignored
+/// the rest. Bits 1-3 == 4 (1 in 8 inputs; few committed seeds have it, so
+/// most keep their native meaning) selects quantized pages, bits 4-7 the
+/// formats (K = bits % 3, V = bits / 3 % 3: native, fp8, int8; K and V
+/// both native is native). Only for the dtypes quantized pages take.
+inline pagedkv::KVQuant quant_of(uint8_t layers_byte, at::ScalarType dtype) {
+  const bool quantizable = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+  if (!quantizable || ((layers_byte >> 1) & 7u) != 4u) return {};
+  const pagedkv::KVFormat formats[] = {pagedkv::KVFormat::native, pagedkv::KVFormat::fp8_e4m3,
+                                       pagedkv::KVFormat::int8};
+  const unsigned sel = layers_byte >> 4;
+  return {formats[sel % 3], formats[sel / 3 % 3]};
+}
+
 /// Decodes a configuration from the first bytes and runs the rest as a script.
 inline Stats run_script(const uint8_t* data, size_t size, const Options& opt = Options()) {
   Bytes in(data, size);
@@ -832,13 +958,14 @@ inline Stats run_script(const uint8_t* data, size_t size, const Options& opt = O
   const at::ScalarType dtypes[] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble, at::kShort, at::kChar};
   const at::ScalarType dtype = dtypes[(head >> 1) % 6];
   const pagedkv::ScopedBackend backend((head >> 5) % 4 == 3 ? pagedkv::Backend::generic : pagedkv::Backend::automatic);
+  const pagedkv::KVQuant quant = quant_of(in.peek(), dtype);
   const int64_t n_layers = in.range(1, opt.max_layers);
   const int64_t n_pages = in.range(1, opt.max_pages);
   const int64_t page_size = in.range(1, opt.max_page_size);
   const int64_t n_heads = in.range(1, opt.max_heads);
   const int64_t head_dim = in.range(1, opt.max_head_dim);
-  if (hnd) return Runner<pagedkv::HND>(in, opt, n_layers, n_pages, page_size, n_heads, head_dim, dtype).run();
-  return Runner<pagedkv::NHD>(in, opt, n_layers, n_pages, page_size, n_heads, head_dim, dtype).run();
+  if (hnd) return Runner<pagedkv::HND>(in, opt, n_layers, n_pages, page_size, n_heads, head_dim, dtype, quant).run();
+  return Runner<pagedkv::NHD>(in, opt, n_layers, n_pages, page_size, n_heads, head_dim, dtype, quant).run();
 }
 
 }  // namespace pagedkv_fuzz

@@ -1,6 +1,8 @@
 // The operation-script engine for SequenceTable (fuzz_sequences, the corpus
 // replay test). It decodes bytes into a configuration (device and host
-// layout, dtype float32/float16, kernel backend, 1-2 layers, a device cache
+// layout, dtype float32/float16, K/V formats (native, or K and/or V
+// quantized to fp8 e4m3 / int8, the same in every cache), kernel backend,
+// 1-2 layers, a device cache
 // of 1-16 pages, a host cache of 0-16 pages, page size 1-5, 1-2 heads, head
 // dim 1-3) and a script of SequenceTable calls: create, fork, release,
 // reserve, prepare_append, commit_append, batch, swap_out, swap_in and the
@@ -22,7 +24,7 @@
 // - the call must succeed, return false (a pool that is short), or throw
 //   c10::Error naming the pagedkv:: function, exactly as the model says;
 // - a call that threw or returned false changed nothing: n_free, every
-//   ref_count and the K/V storage of every cache, and every sequence's
+//   ref_count and the K/V storage (codes and scales) of every cache, and every sequence's
 //   liveness, length, swapped state and pages in every table;
 // - a call that succeeded returned the model's id / length / page table and
 //   changed the pages as the model says (new pages were free before; after
@@ -32,7 +34,9 @@
 //   hold the page, and PagedCache::check() passes on every cache;
 // - every check_every calls (and at the end): every live, resident sequence
 //   of each table (host-side holders included) is gathered through batch()
-//   and compared with the model bit for bit, layer by layer (this catches
+//   and compared with the model bit for bit, layer by layer (a quantized
+//   side: the written head vector through the library's scalar codec,
+//   dequantized and rounded to the dtype; this catches
 //   copy-on-write bugs: a fork's parent and child must not see each other's
 //   later appends);
 // - at the end every sequence is released (or, for some inputs, the tables
@@ -142,6 +146,7 @@ struct TableModel {
 
 struct CacheState {
   at::Tensor k, v;
+  at::Tensor k_scales, v_scales;  // undefined for a native side
   std::vector<int64_t> refs;
   int64_t n_free = 0;
 };
@@ -171,11 +176,13 @@ struct Config {
   bool host_hnd = false;
   at::ScalarType dtype = at::kFloat;
   int alt_kind = 0;  // what the alt cache differs in: dtype, page_size, head_dim, n_layers
+  pagedkv::KVQuant quant;  // every cache's formats
   bool destroy_at_end = false;
   int64_t n_layers = 1, n_pages = 1, host_pages = 0, page_size = 1, n_heads = 1, head_dim = 1;
 };
 
 inline bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() || !b.defined()) return a.defined() == b.defined();
   return a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() &&
          std::memcmp(a.data_ptr(), b.data_ptr(), static_cast<size_t>(a.numel()) * a.element_size()) == 0;
 }
@@ -212,12 +219,13 @@ class SequenceRunner {
         cfg_(cfg),
         hd_(cfg.n_heads * cfg.head_dim),
         half_(cfg.dtype == at::kHalf),
-        dev_cache_(cfg.n_layers, cfg.n_pages, cfg.page_size, cfg.n_heads, cfg.head_dim, options(cfg.dtype)),
+        dev_cache_(cfg.n_layers, cfg.n_pages, cfg.page_size, cfg.n_heads, cfg.head_dim, options(cfg.dtype), cfg.quant),
         alt_cache_(cfg.n_layers + (cfg.alt_kind == 3 ? 1 : 0), 2, cfg.page_size + (cfg.alt_kind == 1 ? 1 : 0),
                    cfg.n_heads, cfg.head_dim + (cfg.alt_kind == 2 ? 1 : 0),
-                   options(cfg.alt_kind == 0 ? (half_ ? at::kFloat : at::kHalf) : cfg.dtype)) {
+                   options(cfg.alt_kind == 0 ? (half_ ? at::kFloat : at::kHalf) : cfg.dtype), cfg.quant) {
     if (cfg.host_pages > 0) {
-      host_cache_.emplace(cfg.n_layers, cfg.host_pages, cfg.page_size, cfg.n_heads, cfg.head_dim, options(cfg.dtype));
+      host_cache_.emplace(cfg.n_layers, cfg.host_pages, cfg.page_size, cfg.n_heads, cfg.head_dim, options(cfg.dtype),
+                          cfg.quant);
       host_.emplace(*host_cache_);
       host_same_.emplace(*host_cache_);
     }
@@ -324,6 +332,8 @@ class SequenceRunner {
         if (full) {
           cs.k = cache.k_cache().clone();
           cs.v = cache.v_cache().clone();
+          if (cache.k_scales().defined()) cs.k_scales = cache.k_scales().clone();
+          if (cache.v_scales().defined()) cs.v_scales = cache.v_scales().clone();
         }
         cs.n_free = cache.n_free();
         for (int64_t p = 0; p < cache.n_pages(); ++p) cs.refs.push_back(cache.ref_count(p));
@@ -360,6 +370,8 @@ class SequenceRunner {
       if (!b.k.defined()) continue;
       if (!seq_detail::same_bytes(b.k, a.k) || !seq_detail::same_bytes(b.v, a.v))
         fail(what, " ", how, " but changed the K/V storage of cache ", c);
+      if (!seq_detail::same_bytes(b.k_scales, a.k_scales) || !seq_detail::same_bytes(b.v_scales, a.v_scales))
+        fail(what, " ", how, " but changed the K/V scales of cache ", c);
       if (a.refs != b.refs || a.n_free != b.n_free)
         fail(what, " ", how, " but changed the pool of cache ", c, ": refs ", detail::join(b.refs), " -> ",
              detail::join(a.refs), ", n_free ", b.n_free, " -> ", a.n_free);
@@ -547,6 +559,30 @@ class SequenceRunner {
     return b;
   }
 
+  /// A written element's bits (value_bits) as a float32.
+  float written_value(uint64_t index) const {
+    const uint32_t bits = seq_detail::value_bits(index, half_);
+    return half_ ? static_cast<float>(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits()))
+                 : pagedkv::quant::bits_float(bits);
+  }
+
+  /// The bits gather returns for element e of a token's layer and side: the
+  /// written bits for a native side; for a quantized one the written head
+  /// vector through the library's scalar codec, dequantized, in the dtype.
+  uint32_t gathered_bits(int64_t token, int64_t layer, int which, int64_t e) const {
+    const pagedkv::KVFormat format = which == 0 ? cfg_.quant.k : cfg_.quant.v;
+    if (!pagedkv::is_quantized(format)) return seq_detail::value_bits(value_index(token, layer, which, e), half_);
+    const int64_t D = cfg_.head_dim;
+    const int64_t first = e / D * D;
+    std::vector<float> head(static_cast<size_t>(D));
+    for (int64_t d = 0; d < D; ++d)
+      head[static_cast<size_t>(d)] = written_value(value_index(token, layer, which, first + d));
+    std::vector<int64_t> codes(static_cast<size_t>(D));
+    const float scale = detail::quantize_head(format, head.data(), D, codes.data());
+    const float value = detail::dequantize(format, codes[static_cast<size_t>(e - first)], scale);
+    return half_ ? c10::Half(value).x : pagedkv::quant::float_bits(value);
+  }
+
   /// Gathers every live resident sequence of each table (holders included)
   /// and compares every written token with the model, bit for bit.
   void check_data() {
@@ -580,7 +616,7 @@ class SequenceRunner {
                 if (token == seq_detail::kUnknownToken) continue;
                 for (int64_t e = 0; e < hd_; ++e) {
                   const uint32_t got = raw(base, (static_cast<int64_t>(b) * max_len + pos) * hd_ + e);
-                  const uint32_t want = seq_detail::value_bits(value_index(token, layer, which, e), half_);
+                  const uint32_t want = gathered_bits(token, layer, which, e);
                   if (got != want)
                     fail(what, ": sequence ", ids[b], " layer ", layer, (which == 0 ? " k" : " v"), " position ", pos,
                          " element ", e, " has bits ", got, ", model ", want, " (token ", token, ")");
@@ -1114,6 +1150,7 @@ inline SequenceStats run_sequence_script(const uint8_t* data, size_t size,
   cfg.destroy_at_end = (head >> 5) % 4 == 3;
   const pagedkv::ScopedBackend backend((head & 0x80u) != 0 && (head & 0x40u) == 0 ? pagedkv::Backend::generic
                                                                                    : pagedkv::Backend::automatic);
+  cfg.quant = quant_of(in.peek(), cfg.dtype);  // script.hpp: from the n_layers byte's unused bits
   cfg.n_layers = in.range(1, opt.max_layers);
   cfg.n_pages = in.range(1, opt.max_pages);
   cfg.host_pages = in.range(0, opt.max_host_pages);

@@ -166,16 +166,17 @@ TEST(QuantizeVector, AmaxMapsOntoTheLargestCode) {
   EXPECT_EQ(i8[1], -127);
 }
 
-/// Every vector path this CPU runs gives the scalar functions' codes and values, bit for bit.
+/// Each of `isas` gives the scalar functions' codes and values, bit for bit.
 template <KVFormat F>
-void expect_paths_match_scalar(const std::vector<float>& x, float scale) {
+void expect_paths_match_scalar(const std::vector<float>& x, float scale,
+                               const std::vector<Isa>& isas = pagedkv::attention_kernels::available_isas()) {
   using Code = typename quant::Codec<F>::Code;
   const auto n = static_cast<int64_t>(x.size());
   std::vector<Code> scalar(x.size());
   for (size_t i = 0; i < x.size(); ++i) scalar[i] = quant::Codec<F>::encode(x[i] / scale);
   std::vector<float> decoded(x.size());
   for (size_t i = 0; i < x.size(); ++i) decoded[i] = quant::Codec<F>::decode(scalar[i]) * scale;
-  for (const Isa isa : pagedkv::attention_kernels::available_isas()) {
+  for (const Isa isa : isas) {
     std::vector<Code> codes(x.size());
     quant::encode_row<F>(isa, x.data(), n, scale, codes.data());
     std::vector<float> values(x.size());
@@ -206,24 +207,28 @@ TEST(VectorPaths, BitIdenticalOnTenMillionRandomFloats) {
   expect_paths_match_scalar<KVFormat::int8>(x, 0.125f);
 }
 
-TEST(VectorPaths, QuantizeVectorAgreesOnEveryPath) {
+/// quantize_vector on each of `isas` against the scalar reference (amax in
+/// order, then the scalar encode of x / scale), over vectors of awkward lengths.
+template <KVFormat F>
+void expect_quantize_matches_scalar(const std::vector<Isa>& isas) {
+  using Code = typename quant::Codec<F>::Code;
   const std::vector<float> x = random_floats(1 << 16);
-  for (const int64_t n : {1, 15, 16, 17, 64, 128, 131}) {
+  for (const int64_t n : {1, 7, 8, 9, 15, 16, 17, 64, 128, 131}) {
     for (size_t start = 0; start + static_cast<size_t>(n) <= x.size(); start += 4099) {
-      std::vector<uint8_t> want(static_cast<size_t>(n));
-      // The scalar reference: amax in order, then encode_e4m3 of x / scale.
+      std::vector<Code> want(static_cast<size_t>(n));
       float amax = 0.0f;
       for (int64_t i = 0; i < n; ++i) {
         const float a = std::fabs(x[start + static_cast<size_t>(i)]);
         amax = a > amax ? a : amax;
       }
-      const float scale = quant::scale_for(amax, KVFormat::fp8_e4m3);
+      const float scale = quant::scale_for(amax, F);
       for (int64_t i = 0; i < n; ++i) {
-        want[static_cast<size_t>(i)] = scale > 0.0f ? quant::encode_e4m3(x[start + static_cast<size_t>(i)] / scale) : 0;
+        want[static_cast<size_t>(i)] =
+            scale > 0.0f ? quant::Codec<F>::encode(x[start + static_cast<size_t>(i)] / scale) : Code{0};
       }
-      for (const Isa isa : pagedkv::attention_kernels::available_isas()) {
-        std::vector<uint8_t> got(static_cast<size_t>(n));
-        const float s = quant::quantize_vector<KVFormat::fp8_e4m3>(isa, x.data() + start, n, got.data());
+      for (const Isa isa : isas) {
+        std::vector<Code> got(static_cast<size_t>(n));
+        const float s = quant::quantize_vector<F>(isa, x.data() + start, n, got.data());
         ASSERT_EQ(quant::float_bits(s), quant::float_bits(scale)) << pagedkv::attention_kernels::isa_name(isa);
         ASSERT_EQ(got, want) << pagedkv::attention_kernels::isa_name(isa) << " n " << n;
       }
@@ -231,27 +236,72 @@ TEST(VectorPaths, QuantizeVectorAgreesOnEveryPath) {
   }
 }
 
-TEST(VectorPaths, EveryCodeDecodesIdentically) {
+TEST(VectorPaths, QuantizeVectorAgreesOnEveryPath) {
+  expect_quantize_matches_scalar<KVFormat::fp8_e4m3>(pagedkv::attention_kernels::available_isas());
+  expect_quantize_matches_scalar<KVFormat::int8>(pagedkv::attention_kernels::available_isas());
+}
+
+/// decode_row on each of `isas` gives decode_e4m3 / decode_int8 of every code, bit for bit.
+void expect_every_code_decodes_identically(const std::vector<Isa>& isas) {
   std::vector<uint8_t> fp8(256);
   std::vector<int8_t> i8(256);
   for (int c = 0; c < 256; ++c) {
     fp8[static_cast<size_t>(c)] = static_cast<uint8_t>(c);
     i8[static_cast<size_t>(c)] = static_cast<int8_t>(static_cast<uint8_t>(c));
   }
-  for (const Isa isa : pagedkv::attention_kernels::available_isas()) {
+  for (const Isa isa : isas) {
     std::vector<float> out(256);
     quant::decode_row<KVFormat::fp8_e4m3>(isa, fp8.data(), 256, 1.0f, out.data());
     for (int c = 0; c < 256; ++c) {
       const float want = quant::decode_e4m3(static_cast<uint8_t>(c));
       if (std::isnan(want)) {
-        EXPECT_TRUE(std::isnan(out[static_cast<size_t>(c)]));
+        EXPECT_TRUE(std::isnan(out[static_cast<size_t>(c)])) << pagedkv::attention_kernels::isa_name(isa);
       } else {
-        EXPECT_EQ(quant::float_bits(out[static_cast<size_t>(c)]), quant::float_bits(want)) << c;
+        EXPECT_EQ(quant::float_bits(out[static_cast<size_t>(c)]), quant::float_bits(want))
+            << pagedkv::attention_kernels::isa_name(isa) << " code " << c;
       }
     }
     quant::decode_row<KVFormat::int8>(isa, i8.data(), 256, 1.0f, out.data());
-    for (int c = 0; c < 256; ++c) EXPECT_EQ(out[static_cast<size_t>(c)], static_cast<float>(i8[static_cast<size_t>(c)]));
+    for (int c = 0; c < 256; ++c)
+      EXPECT_EQ(out[static_cast<size_t>(c)], static_cast<float>(i8[static_cast<size_t>(c)]))
+          << pagedkv::attention_kernels::isa_name(isa) << " code " << c;
   }
+}
+
+TEST(VectorPaths, EveryCodeDecodesIdentically) {
+  expect_every_code_decodes_identically(pagedkv::attention_kernels::available_isas());
+}
+
+// The AVX2 path by name: on an AVX-512 machine the best path is AVX-512, so
+// without these an AVX2 regression would only show in available_isas()'s
+// loop above; here a CPU without AVX2 reports a skip, not a pass.
+const std::vector<Isa> kAvx2{Isa::avx2};
+
+TEST(Avx2Path, BitIdenticalOnEveryFp16Input) {
+  if (!pagedkv::attention_kernels::cpu_has_avx2()) GTEST_SKIP() << "this CPU (or build) has no AVX2/FMA/F16C";
+  const std::vector<float> x = every_fp16();
+  for (const float scale : {1.0f, 0.37f, 3e-3f}) {
+    expect_paths_match_scalar<KVFormat::fp8_e4m3>(x, scale, kAvx2);
+    expect_paths_match_scalar<KVFormat::int8>(x, scale, kAvx2);
+  }
+}
+
+TEST(Avx2Path, BitIdenticalOnTenMillionRandomFloats) {
+  if (!pagedkv::attention_kernels::cpu_has_avx2()) GTEST_SKIP() << "this CPU (or build) has no AVX2/FMA/F16C";
+  const std::vector<float> x = random_floats(10000000);
+  expect_paths_match_scalar<KVFormat::fp8_e4m3>(x, 1.0f, kAvx2);
+  expect_paths_match_scalar<KVFormat::int8>(x, 0.125f, kAvx2);
+}
+
+TEST(Avx2Path, QuantizeVectorMatchesScalar) {
+  if (!pagedkv::attention_kernels::cpu_has_avx2()) GTEST_SKIP() << "this CPU (or build) has no AVX2/FMA/F16C";
+  expect_quantize_matches_scalar<KVFormat::fp8_e4m3>(kAvx2);
+  expect_quantize_matches_scalar<KVFormat::int8>(kAvx2);
+}
+
+TEST(Avx2Path, EveryCodeDecodesIdentically) {
+  if (!pagedkv::attention_kernels::cpu_has_avx2()) GTEST_SKIP() << "this CPU (or build) has no AVX2/FMA/F16C";
+  expect_every_code_decodes_identically(kAvx2);
 }
 
 /// The dtype conversions of every path give c10's own, bit for bit.
