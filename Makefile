@@ -59,7 +59,12 @@ test-torch2: deps
 # The test suite under AddressSanitizer + UndefinedBehaviorSanitizer
 # (CMakePresets.json: preset `sanitize`, build-sanitize/). The integration
 # tests, which only build consumer projects, are left to `make test`.
+# clang -O1 (with line tables): g++ -O2 -g took 6x as long to compile the
+# sanitized attention tests (bench/NOTES.md, "CI time"), and clang's
+# sanitizers are the reference ones. libomp: clang's OpenMP runtime.
+SANITIZE_PACKAGES := clang-14 libclang-rt-14-dev libomp-14-dev
 test-sanitize: deps
+	@./scripts/install-deps $(SANITIZE_PACKAGES)
 	cmake --preset sanitize
 	cmake --build --preset sanitize -j $(JOBS)
 	ctest --preset sanitize -j $(JOBS)

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 namespace pagedkv {
@@ -23,6 +24,33 @@ struct PageTableRef {
   /// Physical page of logical page `col` of sequence `row`.
   int64_t operator()(int64_t row, int64_t col) const noexcept {
     return static_cast<int64_t>(data[row * row_stride + col * col_stride]);
+  }
+};
+
+/// A PageTableRef whose integer type is known only at run time: for a
+/// kernel that is too large to compile once per index type (the attention
+/// kernel, generated for three instruction sets and three dtypes). Reading an
+/// entry costs one perfectly predicted branch.
+struct AnyPageTableRef {
+  const void* data;    // [rows, cols], strided: int32 or int64
+  bool is_int32;       ///< the entries' type: int32 (true) or int64
+  int64_t rows;        ///< batch size B
+  int64_t cols;        ///< max pages per sequence
+  int64_t row_stride;  ///< elements between rows
+  int64_t col_stride;  ///< elements between columns
+
+  template <class Index>
+  AnyPageTableRef(const PageTableRef<Index>& table) noexcept  // NOLINT(google-explicit-constructor): a widening view
+      : data(table.data), is_int32(std::is_same<Index, int32_t>::value), rows(table.rows), cols(table.cols),
+        row_stride(table.row_stride), col_stride(table.col_stride) {
+    static_assert(std::is_same<Index, int32_t>::value || std::is_same<Index, int64_t>::value,
+                  "page tables hold int32 or int64");
+  }
+
+  /// Physical page of logical page `col` of sequence `row`.
+  int64_t operator()(int64_t row, int64_t col) const noexcept {
+    const int64_t i = row * row_stride + col * col_stride;
+    return is_int32 ? static_cast<int64_t>(static_cast<const int32_t*>(data)[i]) : static_cast<const int64_t*>(data)[i];
   }
 };
 

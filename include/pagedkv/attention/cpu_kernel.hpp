@@ -54,9 +54,9 @@ inline float code_unit(KVFormat format) noexcept {
 }
 
 /// Raw operands of one call.
-template <class T, class Index>
+template <class T>
 struct Problem {
-  PageTableRef<Index> table;  // [B, max_pages]
+  AnyPageTableRef table;      // [B, max_pages]
   const int64_t* lengths;     // [B]
   const float* q;             // [B, Sq, n_heads, D], contiguous, pre-scaled
   T* out;                     // [B, Sq, n_heads, D], contiguous
@@ -139,8 +139,8 @@ void side_to_float(KVFormat format, const char* src, float* dst, int64_t n) {
 /// token apart would alias in the L1 cache: a 4 KiB stride for 8 heads x
 /// 128 x fp32). A quantized side's scales go to scales[h * kKeyBlock + j],
 /// times code_unit.
-template <class Ops, bool kCopies, class T, class Index>
-void load_block(const Problem<T, Index>& pr, const KVSide& side, int64_t b, int64_t h0, int64_t nh, int64_t t0,
+template <class Ops, bool kCopies, class T>
+void load_block(const Problem<T>& pr, const KVSide& side, int64_t b, int64_t h0, int64_t nh, int64_t t0,
                 int64_t n,
                 float* buffer,        // [nh, kKeyBlock, D], for copies
                 const void** rows,    // [nh, kKeyBlock]
@@ -237,8 +237,8 @@ inline void multiply_by(float* __restrict x,             // [n]
 /// On a quantized side the rows hold codes: the K scale multiplies the
 /// score (q . k = scale * (q . codes)) and the V scale the softmax weight,
 /// so no scaled copy of K or V is ever made.
-template <class Ops, bool kCopies, class T, class Index>
-void run_item(const Problem<T, Index>& pr, const Work& w, Scratch& sc) {
+template <class Ops, bool kCopies, class T>
+void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
   const int64_t D = pr.g.head_dim;
   const int64_t G = pr.group;
   const int64_t rows = (w.s1 - w.s0) * w.nh * G;
@@ -314,14 +314,14 @@ void run_item(const Problem<T, Index>& pr, const Work& w, Scratch& sc) {
 }
 
 /// Work items [begin, end) on the calling thread, with its scratch.
-template <class Ops, bool kCopies, class T, class Index>
-void run_items_reading(const Problem<T, Index>& pr, const Plan& p, int64_t begin, int64_t end) {
+template <class Ops, bool kCopies, class T>
+void run_items_reading(const Problem<T>& pr, const Plan& p, int64_t begin, int64_t end) {
   auto& sc = Scratch::local(p.max_rows, p.heads, pr.g.head_dim, kCopies);
   for (int64_t i = begin; i < end; ++i) run_item<Ops, kCopies>(pr, p.work[static_cast<size_t>(i)], sc);
 }
 
-template <class Ops, class T, class Index>
-void run_items(const Problem<T, Index>& pr, const Plan& p, int64_t begin, int64_t end) {
+template <class Ops, class T>
+void run_items(const Problem<T>& pr, const Plan& p, int64_t begin, int64_t end) {
   if constexpr (Ops::kReadsPagesDirectly) {
     run_items_reading<Ops, false>(pr, p, begin, end);
   } else if constexpr (std::is_same<T, float>::value) {
@@ -335,23 +335,23 @@ void run_items(const Problem<T, Index>& pr, const Plan& p, int64_t begin, int64_
 // The vector instantiations, each compiled for its target: `flatten` inlines
 // the whole item loop there, so every helper is generated for that target.
 #ifdef PAGEDKV_ATTENTION_AVX2
-template <class T, class Index>
-PAGEDKV_TARGET_AVX2 __attribute__((flatten)) void run_items_avx2(const Problem<T, Index>& pr, const Plan& p,
+template <class T>
+PAGEDKV_TARGET_AVX2 __attribute__((flatten)) void run_items_avx2(const Problem<T>& pr, const Plan& p,
                                                                    int64_t begin, int64_t end) {
   run_items<Avx2>(pr, p, begin, end);
 }
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX512
-template <class T, class Index>
-PAGEDKV_TARGET_AVX512 __attribute__((flatten)) void run_items_avx512(const Problem<T, Index>& pr, const Plan& p,
+template <class T>
+PAGEDKV_TARGET_AVX512 __attribute__((flatten)) void run_items_avx512(const Problem<T>& pr, const Plan& p,
                                                                        int64_t begin, int64_t end) {
   run_items<Avx512>(pr, p, begin, end);
 }
 #endif
 
 /// Runs work items [begin, end) with the instruction set `isa`.
-template <class T, class Index>
-void run_items_with(Isa isa, const Problem<T, Index>& pr, const Plan& p, int64_t begin, int64_t end) {
+template <class T>
+void run_items_with(Isa isa, const Problem<T>& pr, const Plan& p, int64_t begin, int64_t end) {
   switch (isa) {
 #ifdef PAGEDKV_ATTENTION_AVX512
     case Isa::avx512: return run_items_avx512(pr, p, begin, end);
@@ -397,8 +397,8 @@ void merge_tile(const Pr& pr, const SplitTile& t, float* acc /* [D] */) {
 
 /// The CPU kernel. Inputs are validated: lengths[b] >= Sq >= 1 and every
 /// page holding [0, lengths[b]) is mapped and allocated.
-template <class T, class Index>
-void paged_attention_cpu_impl(const PageTableRef<Index>& table,     // [B, max_pages]
+template <class T>
+void paged_attention_cpu_impl(const AnyPageTableRef& table,         // [B, max_pages]
                               const std::vector<int64_t>& lengths,  // [B]
                               const float* q,                       // [B, Sq, n_heads, D], contiguous, pre-scaled
                               T* out,                               // [B, Sq, n_heads, D], contiguous
@@ -408,7 +408,7 @@ void paged_attention_cpu_impl(const PageTableRef<Index>& table,     // [B, max_p
   const int64_t group = n_heads / g.n_heads;
   const Plan p = plan(lengths, n_queries, group, g.n_heads, at::get_num_threads());
   std::vector<float> partials(static_cast<size_t>(p.partial_rows * (g.head_dim + 2)));
-  const Problem<T, Index> pr{table, lengths.data(), q, out, k, v, partials.data(), g, n_queries, n_heads, group};
+  const Problem<T> pr{table, lengths.data(), q, out, k, v, partials.data(), g, n_queries, n_heads, group};
   const Isa isa = selected_isa();  // decided on the calling thread (ScopedIsa is per thread)
   at::parallel_for(0, static_cast<int64_t>(p.work.size()), 1, [&](int64_t begin, int64_t end) {
     run_items_with(isa, pr, p, begin, end);
