@@ -8,6 +8,7 @@
 
 #include "pagedkv/kernels.hpp"
 #include "pagedkv/layouts.hpp"
+#include "pagedkv/page_table.hpp"
 #include "test_support.hpp"
 
 namespace {
@@ -63,6 +64,26 @@ TEST(PageGeometry, LayoutsResolveToStrides) {
 
 // ctest lists every device-parametrised test by the name gtest prints for
 // its parameter: the target's name, not a dump of the struct's bytes.
+// The attention kernel reads page tables through AnyPageTableRef: every
+// entry of a strided (transposed) table, int32 and int64, must read as
+// PageTableRef reads it, an int64 entry above 2^31 included.
+TEST(AnyPageTableRef, ReadsWhatPageTableRefReadsForBothIndexTypes) {
+  for (const at::ScalarType dtype : {at::kInt, at::kLong}) {
+    at::Tensor table = at::arange(12, at::TensorOptions().dtype(dtype)).view({3, 4}).mul(7).sub(1).t();  // [4, 3], strided
+    if (dtype == at::kLong) table[3][2] = int64_t{1} << 40;
+    pagedkv::visit_page_table(table, [&](const auto& typed) {
+      const pagedkv::AnyPageTableRef any(typed);
+      EXPECT_EQ(any.is_int32, dtype == at::kInt);
+      for (int64_t row = 0; row < table.size(0); ++row)
+        for (int64_t col = 0; col < table.size(1); ++col)
+          EXPECT_EQ(any(row, col), typed(row, col)) << "row " << row << " col " << col;
+      return 0;
+    });
+    EXPECT_EQ(pagedkv::visit_page_table(table, [](const auto& t) { return pagedkv::AnyPageTableRef(t)(3, 2); }),
+              dtype == at::kLong ? int64_t{1} << 40 : 76);  // t[3][2] = (4 * 2 + 3) * 7 - 1
+  }
+}
+
 TEST(TestSupport, TargetsPrintByName) {
   std::vector<std::string> printed;
   for (const Target& target : all_targets()) printed.push_back(::testing::PrintToString(target));

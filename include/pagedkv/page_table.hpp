@@ -40,7 +40,7 @@ struct AnyPageTableRef {
   int64_t col_stride;  ///< elements between columns
 
   template <class Index>
-  AnyPageTableRef(const PageTableRef<Index>& table) noexcept  // NOLINT(google-explicit-constructor): a widening view
+  explicit AnyPageTableRef(const PageTableRef<Index>& table) noexcept
       : data(table.data), is_int32(std::is_same<Index, int32_t>::value), rows(table.rows), cols(table.cols),
         row_stride(table.row_stride), col_stride(table.col_stride) {
     static_assert(std::is_same<Index, int32_t>::value || std::is_same<Index, int64_t>::value,
