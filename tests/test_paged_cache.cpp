@@ -265,6 +265,47 @@ TEST_P(PagedCacheTest, GenericAndCpuKernelsAgreeBitForBit) {
   });
 }
 
+// Outputs of kGatherStreamingMinBytes or more are written with streaming
+// stores: a separate code path, with ragged lengths (a partial last page,
+// an empty row), a hole past a length and tails of zeros, checked against
+// the generic path and against what was written.
+TEST_P(PagedCacheTest, LargeGatherStreamsItsOutputAndMatchesTheGenericPath) {
+  if (GetParam().device != at::kCPU) GTEST_SKIP() << "compares the two CPU paths";
+  for_each_layout([&](auto layout) {
+    using L = decltype(layout);
+    const int64_t B = 4, T = 2100, P = 16, H = 8, D = 64;  // 2 KiB per token and side (float32)
+    const int64_t cols = (T + P - 1) / P;
+    PagedCache<L> cache(1, B * cols, P, H, D, opts(at::kFloat));
+    const std::vector<int64_t> ids = cache.alloc_n(B * cols);
+    at::Tensor pt = at::tensor(ids, at::kLong).view({B, cols}).flip(1).contiguous();  // pages out of order
+    const at::Tensor k = at::randn({B, T, H, D}, opts(at::kFloat));
+    const at::Tensor v = at::randn({B, T, H, D}, opts(at::kFloat));
+    cache.write(0, pt, 0, k, v);
+    pt[2][10] = -1;  // a hole past row 2's length
+    const at::Tensor lengths = ints({T, 1000, 7 * P + 3, 0});
+    const int64_t output_bytes = 2 * B * T * H * D * static_cast<int64_t>(sizeof(float));
+    if (pagedkv::kernels::kHaveStreamingStores) {
+      ASSERT_TRUE(pagedkv::kernels::use_streaming_gather(output_bytes));
+    }
+
+    const auto streamed = cache.bind(pt, lengths).gather(0);
+    std::pair<at::Tensor, at::Tensor> generic;
+    {
+      pagedkv::ScopedBackend generic_backend(pagedkv::Backend::generic);
+      generic = cache.bind(pt, lengths).gather(0);
+    }
+    EXPECT_TRUE(bitwise_equal(streamed.first, generic.first));
+    EXPECT_TRUE(bitwise_equal(streamed.second, generic.second));
+    // and what the generic path returns is what was written, zeros where nothing is
+    EXPECT_TRUE(bitwise_equal(streamed.first[0], k[0]));
+    EXPECT_TRUE(bitwise_equal(streamed.second[1].slice(0, 0, 1000), v[1].slice(0, 0, 1000)));
+    EXPECT_EQ(streamed.first[1].slice(0, 1000).abs().sum().template item<float>(), 0.0f);
+    EXPECT_TRUE(bitwise_equal(streamed.first[2].slice(0, 0, 7 * P + 3), k[2].slice(0, 0, 7 * P + 3)));
+    EXPECT_EQ(streamed.first[2].slice(0, 7 * P + 3).abs().sum().template item<float>(), 0.0f);
+    EXPECT_EQ(streamed.second[3].abs().sum().template item<float>(), 0.0f);
+  });
+}
+
 TEST_P(PagedCacheTest, PageTableMayLiveOnTheHostForADeviceCache) {
   PagedCache<NHD> cache(1, 4, 2, 1, 2, opts());
   cache.alloc_n(2);

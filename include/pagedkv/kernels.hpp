@@ -119,6 +119,19 @@ inline bool use_streaming_stores(int64_t bytes, const BlockStrides& page, const 
   return kHaveStreamingStores && (head_vectors || bytes >= kStreamingMinBytes);
 }
 
+/// Gathers whose outputs total at least this many bytes stream them: an
+/// output that large is read back from memory by whatever consumes it (it
+/// outgrows the L2 caches many times over), so caching it buys nothing and
+/// its read-for-ownership costs a third more memory traffic; glibc's memcpy
+/// streams large copies for the same reason (bench/NOTES.md, "Streaming
+/// gathers"). Smaller outputs are kept in cache for their consumer.
+constexpr int64_t kGatherStreamingMinBytes = int64_t{16} << 20;
+
+/// Whether a gather writing `bytes` of output streams it.
+inline bool use_streaming_gather(int64_t bytes) noexcept {
+  return kHaveStreamingStores && bytes >= kGatherStreamingMinBytes;
+}
+
 /// Orders this thread's streaming stores before whatever it does next; every
 /// parallel chunk that streamed calls it before it returns.
 inline void streaming_fence() noexcept {
@@ -332,7 +345,9 @@ void gather_cpu(const PageTableRef<Index>& table,    // [B, max_pages]
   const int64_t cols = (n_tokens + page_size - 1) / page_size;
   const int64_t token_bytes = g.n_heads * g.head_dim * elem_size;
   const int64_t bytes_per_item = 2 * std::min(n_tokens, page_size) * token_bytes;
-  at::parallel_for(0, table.rows * cols, grain_for(bytes_per_item), [&](int64_t begin, int64_t end) {
+  const bool stream = use_streaming_gather(2 * table.rows * n_tokens * token_bytes);
+  const auto run = [&](auto stream_tag, int64_t begin, int64_t end) {
+    constexpr bool kStream = decltype(stream_tag)::value;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / cols;
       const int64_t col = item % cols;
@@ -345,12 +360,20 @@ void gather_cpu(const PageTableRef<Index>& table,    // [B, max_pages]
       char* v_out = dst.v + row * dst.v_batch_stride + first * token_bytes;
       if (valid_end > first) {
         const BlockShape shape{valid_end - first, g.n_heads, g.head_dim, elem_size};
-        copy_block(k_out, dst.k_strides, src.k + page * src.page_bytes, src.strides, shape);
-        copy_block(v_out, dst.v_strides, src.v + page * src.page_bytes, src.strides, shape);
+        copy_block<kStream>(k_out, dst.k_strides, src.k + page * src.page_bytes, src.strides, shape);
+        copy_block<kStream>(v_out, dst.v_strides, src.v + page * src.page_bytes, src.strides, shape);
       }
       const int64_t valid_bytes = (valid_end - first) * token_bytes;
       zero_tokens(k_out + valid_bytes, last - valid_end, token_bytes);
       zero_tokens(v_out + valid_bytes, last - valid_end, token_bytes);
+    }
+    if (kStream) streaming_fence();
+  };
+  at::parallel_for(0, table.rows * cols, grain_for(bytes_per_item), [&](int64_t begin, int64_t end) {
+    if (stream) {
+      run(std::true_type(), begin, end);
+    } else {
+      run(std::false_type(), begin, end);
     }
   });
 }

@@ -74,10 +74,10 @@ struct Problem {
 struct Scratch {
   std::vector<float> k;              // [heads * kKeyBlock, D] float32 copies of keys (copying paths only)
   std::vector<float> v;              // [heads * kKeyBlock, D] float32 copies of values
-  std::vector<const void*> k_rows;   // [heads, kKeyBlock]: the key of (head, token), in the pages or a copy
-  std::vector<const void*> v_rows;   // [heads, kKeyBlock]
-  std::vector<float> k_scales;       // [heads, kKeyBlock]: a quantized key's scale x code_unit
-  std::vector<float> v_scales;       // [heads, kKeyBlock]
+  std::vector<const void*> k_rows;   // [2, heads, kKeyBlock]: the key of (head, token), in the pages or a copy
+  std::vector<const void*> v_rows;   // [2, heads, kKeyBlock]
+  std::vector<float> k_scales;       // [2, heads, kKeyBlock]: a quantized key's scale x code_unit
+  std::vector<float> v_scales;       // [2, heads, kKeyBlock]
   std::vector<float> acc;            // [rows, D]
   std::vector<float> max;            // [rows]
   std::vector<float> sum;            // [rows]
@@ -93,10 +93,10 @@ struct Scratch {
       grow(scratch.k, heads * kKeyBlock * head_dim);
       grow(scratch.v, heads * kKeyBlock * head_dim);
     }
-    grow(scratch.k_rows, heads * kKeyBlock);
-    grow(scratch.v_rows, heads * kKeyBlock);
-    grow(scratch.k_scales, heads * kKeyBlock);
-    grow(scratch.v_scales, heads * kKeyBlock);
+    grow(scratch.k_rows, 2 * heads * kKeyBlock);
+    grow(scratch.v_rows, 2 * heads * kKeyBlock);
+    grow(scratch.k_scales, 2 * heads * kKeyBlock);
+    grow(scratch.v_scales, 2 * heads * kKeyBlock);
     grow(scratch.acc, max_rows * head_dim);
     grow(scratch.max, max_rows);
     grow(scratch.sum, max_rows);
@@ -216,6 +216,34 @@ void accumulate_block(KVFormat format, float* const* acc, int rows,
   }
 }
 
+/// Where one block's vectors are, for every kv head of a work item.
+struct BlockRows {
+  const void** k;   // [nh, kKeyBlock]: keys, in the pages or float32 copies
+  const void** v;   // [nh, kKeyBlock]: values
+  float* k_scales;  // [nh, kKeyBlock]: quantized keys' scales x code_unit
+  float* v_scales;  // [nh, kKeyBlock]
+};
+
+/// Asks for the `n` stored vectors at rows[0, n) (`bytes` each) to be
+/// brought into L2, ahead of their use.
+inline void prefetch_rows(const void* const* rows,  // [n]
+                          int64_t n, int64_t bytes) noexcept {
+  constexpr int64_t kLine = 64;
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = static_cast<const char*>(rows[j]);
+    for (int64_t offset = 0; offset < bytes; offset += kLine) __builtin_prefetch(row + offset, 0, 2);
+    __builtin_prefetch(row + bytes - 1, 0, 2);  // the last line of a row that does not start on one
+  }
+}
+
+/// Whether the kernel prefetches each block's vectors one block ahead: only
+/// where a head's tokens lie a stride apart (NHD: 2 KiB for 8 heads x 128 x
+/// fp16), which the hardware prefetchers do not follow. Where they are
+/// contiguous (HND: a few KiB per head and page) the hardware does it, and
+/// prefetching by hand as well was slower (bench/NOTES.md, "Prefetching the
+/// next block").
+inline bool prefetches_next_block(const PageGeometry& g) noexcept { return g.token_stride != g.head_dim; }
+
 /// Writes one finished row: out = acc / sum.
 template <class T>
 void store_row(T* out,            // [D]
@@ -250,19 +278,39 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
   std::fill(sum, sum + rows, 0.0f);
   std::fill(acc_all, acc_all + rows * D, 0.0f);
 
+  // Two sets of block rows: the block being computed and the next one,
+  // located one block ahead so that its vectors can be prefetched (in place
+  // only: a copying path's loads are its conversion pass).
+  const int64_t half = w.nh * kKeyBlock;
+  BlockRows block{sc.k_rows.data(), sc.v_rows.data(), sc.k_scales.data(), sc.v_scales.data()};
+  BlockRows next{block.k + half, block.v + half, block.k_scales + half, block.v_scales + half};
+  const auto load = [&](const BlockRows& rows, int64_t t0, int64_t n) {
+    load_block<Ops, kCopies>(pr, pr.k, w.b, w.h0, w.nh, t0, n, sc.k.data(), rows.k, rows.k_scales);
+    load_block<Ops, kCopies>(pr, pr.v, w.b, w.h0, w.nh, t0, n, sc.v.data(), rows.v, rows.v_scales);
+  };
+  const int64_t k_bytes = D * pr.k.elem_size;
+  const int64_t v_bytes = D * pr.v.elem_size;
+  if (!kCopies) load(block, w.t0, std::min(kKeyBlock, w.t1 - w.t0));
+
   for (int64_t t0 = w.t0; t0 < w.t1; t0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, w.t1 - t0);
-    load_block<Ops, kCopies>(pr, pr.k, w.b, w.h0, w.nh, t0, n, sc.k.data(), sc.k_rows.data(), sc.k_scales.data());
-    load_block<Ops, kCopies>(pr, pr.v, w.b, w.h0, w.nh, t0, n, sc.v.data(), sc.v_rows.data(), sc.v_scales.data());
+    const int64_t n_next = kCopies ? 0 : std::max<int64_t>(0, std::min(kKeyBlock, w.t1 - t0 - kKeyBlock));
+    const bool prefetch = n_next > 0 && prefetches_next_block(pr.g);
+    if (kCopies) load(block, t0, n);
+    if (n_next > 0) load(next, t0 + kKeyBlock, n_next);
     for (int64_t s = w.s0; s < w.s1; ++s) {
       // Causal: query s (at position first_pos + s) sees keys <= its position.
       const int64_t visible = std::min(n, first_pos + s + 1 - t0);
       if (visible <= 0) continue;
       for (int64_t h = 0; h < w.nh; ++h) {
-        const void* const* keys = sc.k_rows.data() + h * kKeyBlock;
-        const void* const* values = sc.v_rows.data() + h * kKeyBlock;
-        const float* k_scales = pr.k.quantized() ? sc.k_scales.data() + h * kKeyBlock : nullptr;
-        const float* v_scales = pr.v.quantized() ? sc.v_scales.data() + h * kKeyBlock : nullptr;
+        const void* const* keys = block.k + h * kKeyBlock;
+        const void* const* values = block.v + h * kKeyBlock;
+        const float* k_scales = pr.k.quantized() ? block.k_scales + h * kKeyBlock : nullptr;
+        const float* v_scales = pr.v.quantized() ? block.v_scales + h * kKeyBlock : nullptr;
+        if (prefetch && s == w.s0) {
+          prefetch_rows(next.k + h * kKeyBlock, n_next, k_bytes);
+          prefetch_rows(next.v + h * kKeyBlock, n_next, v_bytes);
+        }
         // The G query heads of kv head h, up to kRowsAtOnce at a time: each
         // key and value vector is loaded once for all of them.
         for (int64_t i0 = 0; i0 < G; i0 += kRowsAtOnce) {
@@ -293,6 +341,7 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
         }
       }
     }
+    std::swap(block, next);
   }
 
   for (int64_t s = w.s0; s < w.s1; ++s) {
