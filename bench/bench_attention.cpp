@@ -65,15 +65,14 @@ struct AttentionFixture {
     cache = std::make_unique<PagedCache<Layout>>(1, spec.batch * cols, kPageSize, kHeads, kHeadDim,
                                                  at::TensorOptions().dtype(spec.dtype), spec.quant);
     table = shuffled_page_table(cache->pool(), spec.batch, cols, 17);
-    if (pagedkv::is_quantized(spec.quant)) {
-      // Real codes and scales (a byte pattern would leave the scales 0).
-      at::manual_seed(21);
-      cache->write(0, table, 0, at::randn({spec.batch, spec.tokens, kHeads, kHeadDim}).to(spec.dtype),
-                   at::randn({spec.batch, spec.tokens, kHeads, kHeadDim}).to(spec.dtype));
-    } else {
-      fill_pattern(cache->k_cache(), 21);
-      fill_pattern(cache->v_cache(), 22);
-    }
+    // Gaussian K/V, as a model's are. Not fill_pattern's random bits: as
+    // bf16 those are mostly tiny or subnormal floats, whose products are
+    // float32 subnormals that cost the FMAs a microcode assist each (the
+    // bf16 rows ran 12-18x the memcpy; bench/NOTES.md). Quantized pages
+    // need real values too (a byte pattern would leave the scales 0).
+    at::manual_seed(21);
+    cache->write(0, table, 0, at::randn({spec.batch, spec.tokens, kHeads, kHeadDim}).to(spec.dtype),
+                 at::randn({spec.batch, spec.tokens, kHeads, kHeadDim}).to(spec.dtype));
     lengths = at::full({spec.batch}, spec.tokens, at::kLong);
     q = at::randn({spec.batch, 1, kQueryHeads, kHeadDim}).to(spec.dtype);
     scale = 1.0 / std::sqrt(static_cast<double>(kHeadDim));
