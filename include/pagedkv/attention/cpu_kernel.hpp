@@ -236,13 +236,23 @@ inline void prefetch_rows(const void* const* rows,  // [n]
   }
 }
 
-/// Whether the kernel prefetches each block's vectors one block ahead: only
-/// where a head's tokens lie a stride apart (NHD: 2 KiB for 8 heads x 128 x
-/// fp16), which the hardware prefetchers do not follow. Where they are
-/// contiguous (HND: a few KiB per head and page) the hardware does it, and
-/// prefetching by hand as well was slower (bench/NOTES.md, "Prefetching the
-/// next block").
-inline bool prefetches_next_block(const PageGeometry& g) noexcept { return g.token_stride != g.head_dim; }
+/// Contiguous runs shorter than this are prefetched by hand, one block
+/// ahead: the hardware's L2 streamer needs a few misses to start on a run
+/// and stops at each 4 KiB page, so it does little for a head's vectors a
+/// stride apart (NHD: 256 bytes every 2 KiB for 8 heads x 128 x fp16) or
+/// for short HND runs (pages of 1 or 4 fp16 tokens: 256 bytes, 1 KiB). On
+/// runs of 2 KiB and more (HND pages of 16 tokens: 4 KiB per head in fp16,
+/// 2 KiB in fp8) it does the work, and prefetching as well was slower
+/// (bench/NOTES.md, "Prefetching the next block").
+constexpr int64_t kStreamedRunBytes = 2048;
+
+/// Whether the kernel prefetches a side's vectors one block ahead: when the
+/// bytes of one head that lie contiguous in a page are fewer than
+/// kStreamedRunBytes.
+inline bool prefetches_next_block(const PageGeometry& g, const KVSide& side) noexcept {
+  const int64_t run_tokens = g.token_stride == g.head_dim ? g.page_size : 1;  // a head's tokens adjacent (HND) or not
+  return run_tokens * g.head_dim * side.elem_size < kStreamedRunBytes;
+}
 
 /// Writes one finished row: out = acc / sum.
 template <class T>
@@ -295,7 +305,8 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
   for (int64_t t0 = w.t0; t0 < w.t1; t0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, w.t1 - t0);
     const int64_t n_next = kCopies ? 0 : std::max<int64_t>(0, std::min(kKeyBlock, w.t1 - t0 - kKeyBlock));
-    const bool prefetch = n_next > 0 && prefetches_next_block(pr.g);
+    const bool prefetch_k = n_next > 0 && prefetches_next_block(pr.g, pr.k);
+    const bool prefetch_v = n_next > 0 && prefetches_next_block(pr.g, pr.v);
     if (kCopies) load(block, t0, n);
     if (n_next > 0) load(next, t0 + kKeyBlock, n_next);
     for (int64_t s = w.s0; s < w.s1; ++s) {
@@ -307,9 +318,9 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
         const void* const* values = block.v + h * kKeyBlock;
         const float* k_scales = pr.k.quantized() ? block.k_scales + h * kKeyBlock : nullptr;
         const float* v_scales = pr.v.quantized() ? block.v_scales + h * kKeyBlock : nullptr;
-        if (prefetch && s == w.s0) {
-          prefetch_rows(next.k + h * kKeyBlock, n_next, k_bytes);
-          prefetch_rows(next.v + h * kKeyBlock, n_next, v_bytes);
+        if (s == w.s0) {
+          if (prefetch_k) prefetch_rows(next.k + h * kKeyBlock, n_next, k_bytes);
+          if (prefetch_v) prefetch_rows(next.v + h * kKeyBlock, n_next, v_bytes);
         }
         // The G query heads of kv head h, up to kRowsAtOnce at a time: each
         // key and value vector is loaded once for all of them.
