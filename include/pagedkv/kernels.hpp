@@ -140,6 +140,21 @@ inline void streaming_fence() noexcept {
 #endif
 }
 
+/// at::parallel_for over items [0, n) that copy with copy_block<kStream>:
+/// runs copy_items(std::integral_constant<bool, stream>(), begin, end) on
+/// each chunk, then fences a chunk that streamed (streaming_fence).
+template <class CopyItems>
+void parallel_copy(int64_t n, int64_t grain, bool stream, const CopyItems& copy_items) {
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    if (stream) {
+      copy_items(std::true_type(), begin, end);
+      streaming_fence();
+    } else {
+      copy_items(std::false_type(), begin, end);
+    }
+  });
+}
+
 /// Copies kBytes (a multiple of 16) with 16-byte moves the compiler unrolls.
 /// For one head vector this beats both a libc call and the `rep movsq` GCC
 /// emits for a constant-size memcpy of 256 bytes (bench/NOTES.md). kStream:
@@ -321,15 +336,8 @@ void write_cpu(const PageTableRef<Index>& table,  // [B, max_pages]
       copy_block<kStream>(dst.v + page * dst.page_bytes + in_page, dst.strides,
                           src.v + row * src.v_batch_stride + token * src.v_strides.token, src.v_strides, shape);
     }
-    if (kStream) streaming_fence();
   };
-  at::parallel_for(0, table.rows * items_per_row, grain_for(bytes_per_item), [&](int64_t begin, int64_t end) {
-    if (stream) {
-      run(std::true_type(), begin, end);
-    } else {
-      run(std::false_type(), begin, end);
-    }
-  });
+  parallel_copy(table.rows * items_per_row, grain_for(bytes_per_item), stream, run);
 }
 
 /// Reads positions [0, lengths[b]) of every sequence into contiguous
@@ -367,15 +375,8 @@ void gather_cpu(const PageTableRef<Index>& table,    // [B, max_pages]
       zero_tokens(k_out + valid_bytes, last - valid_end, token_bytes);
       zero_tokens(v_out + valid_bytes, last - valid_end, token_bytes);
     }
-    if (kStream) streaming_fence();
   };
-  at::parallel_for(0, table.rows * cols, grain_for(bytes_per_item), [&](int64_t begin, int64_t end) {
-    if (stream) {
-      run(std::true_type(), begin, end);
-    } else {
-      run(std::false_type(), begin, end);
-    }
-  });
+  parallel_copy(table.rows * cols, grain_for(bytes_per_item), stream, run);
 }
 
 /// Storage for the outputs of CPU gathers, recycled once the caller has

@@ -395,15 +395,8 @@ void unpack(PagedCache<Layout>& cache, const at::Tensor& staging, int64_t code, 
                     pages[static_cast<size_t>(i)] * page_bytes;
         kernels::copy_block<decltype(streaming)::value>(dst, to, in + item * page_bytes, from, shape);
       }
-      if (decltype(streaming)::value) kernels::streaming_fence();
     };
-    at::parallel_for(0, items, kernels::grain_for(page_bytes), [&](int64_t begin, int64_t end) {
-      if (stream) {
-        run(std::true_type(), begin, end);
-      } else {
-        run(std::false_type(), begin, end);
-      }
-    });
+    kernels::parallel_copy(items, kernels::grain_for(page_bytes), stream, run);
     return;
   }
   const at::Tensor index = kernels::host_index(pages, cache.device());
