@@ -241,6 +241,51 @@ TEST(VectorPaths, QuantizeVectorAgreesOnEveryPath) {
   expect_quantize_matches_scalar<KVFormat::int8>(pagedkv::attention_kernels::available_isas());
 }
 
+/// quantize_rows straight from T (fp16 or bf16: every bit pattern, laid out
+/// as rows of n, strided, in groups of every size) on each of `isas`: the
+/// scalar reference on the widened floats, codes and scales bit for bit.
+template <KVFormat F, class T>
+void expect_rows_from_dtype_match_scalar(const std::vector<Isa>& isas) {
+  using Code = typename quant::Codec<F>::Code;
+  std::vector<T> every(1 << 16);
+  for (uint32_t bits = 0; bits <= 0xFFFF; ++bits) every[bits] = T(static_cast<uint16_t>(bits), T::from_bits());
+  for (const int64_t n : {7, 16, 24, 128, 131}) {
+    for (const int64_t count : {1, 3, 4, 5, 8, 9}) {
+      const int64_t x_stride = n + 5, out_stride = n + 3, scale_stride = 2;
+      for (int64_t first = 0; first + count * x_stride <= static_cast<int64_t>(every.size());
+           first += count * x_stride * 7 + 1) {
+        const T* x = every.data() + first;
+        std::vector<Code> want(static_cast<size_t>(count * out_stride), Code{1});
+        std::vector<float> want_scales(static_cast<size_t>(count * scale_stride), -1.0f);
+        for (int64_t r = 0; r < count; ++r) {
+          std::vector<float> widened(static_cast<size_t>(n));
+          for (int64_t i = 0; i < n; ++i) widened[static_cast<size_t>(i)] = static_cast<float>(x[r * x_stride + i]);
+          want_scales[static_cast<size_t>(r * scale_stride)] =
+              quant::quantize_loop<F>(widened.data(), n, want.data() + r * out_stride);
+        }
+        for (const Isa isa : isas) {
+          std::vector<Code> got(want.size(), Code{1});
+          std::vector<float> got_scales(want_scales.size(), -1.0f);
+          quant::quantize_rows<F>(isa, x, x_stride, count, n, got.data(), out_stride, got_scales.data(), scale_stride);
+          ASSERT_EQ(got, want) << pagedkv::attention_kernels::isa_name(isa) << " n " << n << " count " << count
+                               << " first " << first;
+          for (size_t i = 0; i < got_scales.size(); ++i)
+            ASSERT_EQ(quant::float_bits(got_scales[i]), quant::float_bits(want_scales[i]))
+                << pagedkv::attention_kernels::isa_name(isa) << " n " << n << " count " << count;
+        }
+      }
+    }
+  }
+}
+
+TEST(VectorPaths, QuantizeRowsFromFp16AndBf16AgreeOnEveryPath) {
+  const std::vector<Isa> isas = pagedkv::attention_kernels::available_isas();
+  expect_rows_from_dtype_match_scalar<KVFormat::fp8_e4m3, c10::Half>(isas);
+  expect_rows_from_dtype_match_scalar<KVFormat::int8, c10::Half>(isas);
+  expect_rows_from_dtype_match_scalar<KVFormat::fp8_e4m3, c10::BFloat16>(isas);
+  expect_rows_from_dtype_match_scalar<KVFormat::int8, c10::BFloat16>(isas);
+}
+
 /// decode_row on each of `isas` gives decode_e4m3 / decode_int8 of every code, bit for bit.
 void expect_every_code_decodes_identically(const std::vector<Isa>& isas) {
   std::vector<uint8_t> fp8(256);
@@ -266,6 +311,49 @@ void expect_every_code_decodes_identically(const std::vector<Isa>& isas) {
       EXPECT_EQ(out[static_cast<size_t>(c)], static_cast<float>(i8[static_cast<size_t>(c)]))
           << pagedkv::attention_kernels::isa_name(isa) << " code " << c;
   }
+}
+
+/// dequantize_row on each path: decode_row then narrow_row of the portable
+/// path, bit for bit, for every code, into T, at scales that round, underflow and overflow.
+template <KVFormat F, class T>
+void expect_dequantize_matches_decode_then_narrow() {
+  using Code = typename quant::Codec<F>::Code;
+  std::vector<Code> codes;
+  for (int rep = 0; rep < 3; ++rep)
+    for (int c = 0; c < 256; ++c) codes.push_back(static_cast<Code>(static_cast<uint8_t>(c * 37 + rep)));
+  for (const int64_t n : {int64_t{5}, int64_t{128}, static_cast<int64_t>(codes.size())}) {
+    // 1 + 2^-8 and 1 + 3 x 2^-8: exact ties for bf16 (half-way low bits) on every power-of-two code.
+    for (const float scale : {1.0f, 0.37f, 3e-3f, 1e-40f, 1e30f, 0.0f, 1.00390625f, 1.01171875f}) {
+      std::vector<float> buf(static_cast<size_t>(n));
+      quant::decode_row<F>(Isa::portable, codes.data(), n, scale, buf.data());
+      std::vector<T> want(static_cast<size_t>(n));
+      quant::narrow_row<T>(Isa::portable, buf.data(), n, want.data());
+      for (const Isa isa : pagedkv::attention_kernels::available_isas()) {
+        std::vector<T> got(static_cast<size_t>(n));
+        quant::dequantize_row<F>(isa, codes.data(), n, scale, got.data(), buf.data());
+        for (int64_t i = 0; i < n; ++i) {
+          const float w = static_cast<float>(want[static_cast<size_t>(i)]);
+          const float o = static_cast<float>(got[static_cast<size_t>(i)]);
+          if (std::isnan(w)) {  // F16C keeps a NaN's payload bits, c10 does not: NaN either way
+            ASSERT_TRUE(std::isnan(o)) << pagedkv::attention_kernels::isa_name(isa);
+            continue;
+          }
+          ASSERT_EQ(quant::float_bits(o), quant::float_bits(w))
+              << pagedkv::attention_kernels::isa_name(isa) << " code " << static_cast<int>(codes[static_cast<size_t>(i)])
+              << " scale " << scale;
+        }
+      }
+    }
+  }
+}
+
+TEST(VectorPaths, DequantizeRowIsDecodeThenNarrowOnEveryPath) {
+  expect_dequantize_matches_decode_then_narrow<KVFormat::fp8_e4m3, c10::Half>();
+  expect_dequantize_matches_decode_then_narrow<KVFormat::fp8_e4m3, c10::BFloat16>();
+  expect_dequantize_matches_decode_then_narrow<KVFormat::fp8_e4m3, float>();
+  expect_dequantize_matches_decode_then_narrow<KVFormat::int8, c10::Half>();
+  expect_dequantize_matches_decode_then_narrow<KVFormat::int8, c10::BFloat16>();
+  expect_dequantize_matches_decode_then_narrow<KVFormat::int8, float>();
 }
 
 TEST(VectorPaths, EveryCodeDecodesIdentically) {

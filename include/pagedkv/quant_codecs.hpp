@@ -4,11 +4,12 @@
 // and saturates, and never yields a NaN code; decoding is exact.
 //
 // Every routine is a branch-free scalar function; the row loops over them
-// are compiled portably, and AVX2 and AVX-512 have the same operations in
+// are compiled portably, and AVX2 and AVX-512 compute the same results in
 // intrinsics (g++ 12 does not vectorise the scalar loops), chosen at run
 // time with the attention kernel's Isa: tests check that every path is
 // bit-identical to the scalar functions on every fp16 input and 10^7
-// random floats.
+// random floats. The vector paths quantize straight from the logical
+// dtype (fp16 / bf16 / float32) and dequantize straight into it.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -42,6 +43,9 @@ inline float bits_float(uint32_t u) noexcept { return __builtin_bit_cast(float, 
 /// The scale of a head vector whose largest magnitude is `amax`: one float32
 /// division, so every path (CPU kernels, ATen) computes the same scale.
 inline float scale_for(float amax, KVFormat f) noexcept { return amax / format_max(f); }
+
+/// Head vectors the vector paths quantize together (quantize_rows_*).
+constexpr int64_t kQuantizeGroup = 4;
 
 /// Round to nearest even for |v| <= 2^22 (NaN stays NaN): adding and
 /// subtracting 1.5 x 2^23 leaves no fraction bits, in the default rounding
@@ -125,12 +129,12 @@ struct Codec<KVFormat::int8> {
 
 // ---- row loops, compiled once per instruction set ----
 
-/// out[i] = encode(x[i] / scale), scale > 0.
-template <KVFormat F>
-inline void encode_loop(const float* x,  // [n]
+/// out[i] = encode(x[i] / scale), scale > 0; x float32, fp16 or bf16.
+template <KVFormat F, class T>
+inline void encode_loop(const T* x,  // [n]
                         int64_t n, float scale,
                         typename Codec<F>::Code* out) noexcept {  // [n]
-  for (int64_t i = 0; i < n; ++i) out[i] = Codec<F>::encode(x[i] / scale);
+  for (int64_t i = 0; i < n; ++i) out[i] = Codec<F>::encode(attention_kernels::to_float32(x[i]) / scale);
 }
 
 /// out[i] = decode(codes[i]) * scale.
@@ -144,17 +148,18 @@ inline void decode_loop(const typename Codec<F>::Code* codes,  // [n]
 /// max |x[i]| (NaN ignored); exact in any order, so every path agrees.
 /// 16 lanes folded as a tree: `a > m ? a : m` is exactly a vector max, so
 /// the compiler vectorises it without -ffast-math.
-inline float amax_loop(const float* x, int64_t n) noexcept {  // x: [n]
+template <class T>
+inline float amax_loop(const T* x, int64_t n) noexcept {  // x: [n]
   float m[16] = {};
   const int64_t full = n - n % 16;
   for (int64_t i = 0; i < full; i += 16) {
     for (int l = 0; l < 16; ++l) {
-      const float a = std::fabs(x[i + l]);
+      const float a = std::fabs(attention_kernels::to_float32(x[i + l]));
       m[l] = a > m[l] ? a : m[l];
     }
   }
   for (int64_t i = full; i < n; ++i) {
-    const float a = std::fabs(x[i]);
+    const float a = std::fabs(attention_kernels::to_float32(x[i]));
     m[0] = a > m[0] ? a : m[0];
   }
   for (int l = 0; l < 8; ++l) m[l] = m[l + 8] > m[l] ? m[l + 8] : m[l];
@@ -164,8 +169,8 @@ inline float amax_loop(const float* x, int64_t n) noexcept {  // x: [n]
 }
 
 /// The scale of x and its codes (all zero for scale 0); returns the scale.
-template <KVFormat F>
-inline float quantize_loop(const float* x,  // [n]
+template <KVFormat F, class T>
+inline float quantize_loop(const T* x,  // [n]
                            int64_t n, typename Codec<F>::Code* out) noexcept {  // out: [n]
   const float scale = scale_for(amax_loop(x, n), F);
   if (!(scale > 0.0f)) {
@@ -251,28 +256,30 @@ PAGEDKV_TARGET_AVX2 inline __m256 decode_e4m3_x8(__m256i c) {
   return _mm256_castsi256_ps(bits);
 }
 
-template <KVFormat F>
-PAGEDKV_TARGET_AVX2 void encode_avx2(const float* x,  // [n]
+/// Codes of x / scale, scale > 0; x float32, fp16 or bf16, widened as it is loaded.
+template <KVFormat F, class T>
+PAGEDKV_TARGET_AVX2 void encode_avx2(const T* x,  // [n]
                                      int64_t n, float scale,
                                      typename Codec<F>::Code* out) {  // [n]
   const __m256 s = _mm256_set1_ps(scale);
   const int64_t full = n - n % 8;
   for (int64_t i = 0; i < full; i += 8) {
-    const __m256 y = _mm256_div_ps(_mm256_loadu_ps(x + i), s);
+    const __m256 y = _mm256_div_ps(attention_kernels::Avx2::load8(x + i), s);
     const __m128i codes = F == KVFormat::int8 ? narrow_epi32_epi8_x8<true>(encode_int8_x8(y))
                                               : narrow_epi32_epi8_x8<false>(encode_e4m3_x8(y));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), codes);
   }
-  for (int64_t i = full; i < n; ++i) out[i] = Codec<F>::encode(x[i] / scale);
+  for (int64_t i = full; i < n; ++i) out[i] = Codec<F>::encode(attention_kernels::to_float32(x[i]) / scale);
 }
 
 /// amax_loop on AVX2: max is exact in any order, so any lane split agrees.
-PAGEDKV_TARGET_AVX2 inline float amax_avx2(const float* x, int64_t n) {  // x: [n]
+template <class T>
+PAGEDKV_TARGET_AVX2 float amax_avx2(const T* x, int64_t n) {  // x: [n]
   __m256 m = _mm256_setzero_ps();
   const int64_t full = n - n % 8;
   for (int64_t i = 0; i < full; i += 8) {
-    const __m256 a = _mm256_castsi256_ps(
-        _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(x + i)), _mm256_set1_epi32(0x7FFFFFFF)));
+    const __m256 a = _mm256_castsi256_ps(_mm256_and_si256(
+        _mm256_castps_si256(attention_kernels::Avx2::load8(x + i)), _mm256_set1_epi32(0x7FFFFFFF)));
     m = _mm256_max_ps(a, m);  // the second operand for a NaN: ignored, as in amax_loop
   }
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
@@ -280,22 +287,32 @@ PAGEDKV_TARGET_AVX2 inline float amax_avx2(const float* x, int64_t n) {  // x: [
   m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
   float amax = _mm_cvtss_f32(m4);
   for (int64_t i = full; i < n; ++i) {
-    const float a = std::fabs(x[i]);
+    const float a = std::fabs(attention_kernels::to_float32(x[i]));
     amax = a > amax ? a : amax;
   }
   return amax;
 }
 
-template <KVFormat F>
-PAGEDKV_TARGET_AVX2 float quantize_avx2(const float* x,  // [n]
-                                        int64_t n, typename Codec<F>::Code* out) {  // out: [n]
-  const float scale = scale_for(amax_avx2(x, n), F);
-  if (!(scale > 0.0f)) {
-    std::fill(out, out + n, typename Codec<F>::Code{0});
-    return scale;
+/// quantize_rows_avx512 on AVX2.
+template <KVFormat F, class T>
+PAGEDKV_TARGET_AVX2 void quantize_rows_avx2(const T* x, int64_t x_stride, int64_t count, int64_t n,
+                                            typename Codec<F>::Code* out, int64_t out_stride, float* scales,
+                                            int64_t scale_stride) {
+  for (int64_t first = 0; first < count; first += kQuantizeGroup) {
+    const int64_t rows = std::min(kQuantizeGroup, count - first);
+    float group_scales[kQuantizeGroup];
+    for (int64_t r = 0; r < rows; ++r) group_scales[r] = scale_for(amax_avx2(x + (first + r) * x_stride, n), F);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float scale = group_scales[r];
+      scales[(first + r) * scale_stride] = scale;
+      typename Codec<F>::Code* codes = out + (first + r) * out_stride;
+      if (scale > 0.0f) {
+        encode_avx2<F>(x + (first + r) * x_stride, n, scale, codes);
+      } else {
+        std::fill(codes, codes + n, typename Codec<F>::Code{0});
+      }
+    }
   }
-  encode_avx2<F>(x, n, scale, out);
-  return scale;
 }
 
 template <KVFormat F>
@@ -315,35 +332,41 @@ PAGEDKV_TARGET_AVX2 void decode_avx2(const typename Codec<F>::Code* codes,  // [
 #ifdef PAGEDKV_ATTENTION_AVX512
 // AVX-512: the scalar functions' arithmetic spelled in intrinsics, 16
 // elements at a time (g++ 12 does not vectorise the scalar loops: it gives
-// up on their mixed 8/32-bit types). Same operations, same order: the tests
-// check every fp16 input and 10^7 random floats bit for bit.
+// up on their mixed 8/32-bit types). Same operations, same order, except
+// where encode_e4m3_x16 says otherwise: the tests check every fp16 input
+// and 10^7 random floats bit for bit.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
-/// encode_e4m3 of 16 values y.
+/// encode_e4m3 of 16 values y: the scalar function's result, in fewer
+/// operations (the encoder is bound by the two vector ports here): a NaN
+/// lane is zeroed at the start (the scalar function's magnitude 0), a
+/// subnormal code is |y| + 2^14 rounded at 2^14's ulp, 2^-9 (the same
+/// round to nearest even as the scalar m x 512 + 1.5 x 2^23), saturation
+/// is an unsigned min (every magnitude >= 448, infinity too, rounds to
+/// 0x7E or more; nothing below 448 rounds above 0x7E), and one ternary
+/// logic op sets the sign.
 PAGEDKV_TARGET_AVX512 inline __m128i encode_e4m3_x16(__m512 y) {
   const __m512i bits = _mm512_castps_si512(y);
-  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
-  const __m512i abs_bits = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  const __mmask16 is_number = _mm512_cmp_ps_mask(y, y, _CMP_ORD_Q);
+  const __m512i abs_bits = _mm512_maskz_and_epi32(is_number, bits, _mm512_set1_epi32(0x7FFFFFFF));
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(abs_bits, 20), _mm512_set1_epi32(1));
   const __m512i rounded =
       _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(abs_bits, _mm512_set1_epi32(0x7FFFF)), lsb), 20);
   const __m512i normal = _mm512_sub_epi32(rounded, _mm512_set1_epi32(120 << 3));
-  // min_ps returns its second operand for a NaN, as `a < c ? a : c` does.
   const __m512 small = _mm512_min_ps(_mm512_castsi512_ps(abs_bits), _mm512_set1_ps(0x1p-6f));
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  const __m512i subnormal =
-      _mm512_cvttps_epi32(_mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(small, _mm512_set1_ps(512.0f)), magic), magic));
-  // On non-negative bits, integer order is float order (NaN above +inf).
+  const __m512i subnormal = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(small, _mm512_set1_ps(0x1p14f))),
+                                             _mm512_set1_epi32(0x46800000));  // the bits of 2^14
+  // On non-negative bits, integer order is float order.
   const __mmask16 is_subnormal = _mm512_cmplt_epi32_mask(abs_bits, _mm512_set1_epi32(0x3C800000));  // < 2^-6
-  __m512i magnitude = _mm512_mask_blend_epi32(is_subnormal, normal, subnormal);
-  magnitude = _mm512_mask_mov_epi32(magnitude, _mm512_cmpge_epi32_mask(abs_bits, _mm512_set1_epi32(0x43E00000)),
-                                    _mm512_set1_epi32(0x7E));  // >= 448
-  magnitude = _mm512_mask_mov_epi32(magnitude, _mm512_cmpgt_epi32_mask(abs_bits, _mm512_set1_epi32(0x7F800000)),
-                                    _mm512_setzero_si512());  // NaN
-  return _mm512_cvtepi32_epi8(_mm512_or_si512(sign, magnitude));
+  const __m512i magnitude =
+      _mm512_min_epu32(_mm512_mask_blend_epi32(is_subnormal, normal, subnormal), _mm512_set1_epi32(0x7E));
+  // (sign_bits & 0x80) | magnitude; 0xEA is (A & B) | C.
+  const __m512i code =
+      _mm512_ternarylogic_epi32(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), magnitude, 0xEA);
+  return _mm512_cvtepi32_epi8(code);
 }
 
 /// encode_int8 of 16 values y.
@@ -375,39 +398,71 @@ PAGEDKV_TARGET_AVX512 inline __m512 decode_e4m3_x16(__m512i c) {
   return _mm512_castsi512_ps(bits);
 }
 
-template <KVFormat F>
-PAGEDKV_TARGET_AVX512 void encode_avx512(const float* x, int64_t n, float scale, typename Codec<F>::Code* out) {
+/// Codes of x / scale, scale > 0; x float32, fp16 or bf16, widened as it is loaded.
+template <KVFormat F, class T>
+PAGEDKV_TARGET_AVX512 void encode_avx512(const T* x, int64_t n, float scale, typename Codec<F>::Code* out) {
   const __m512 s = _mm512_set1_ps(scale);
   const int64_t full = n - n % 16;
   for (int64_t i = 0; i < full; i += 16) {
-    const __m512 y = _mm512_div_ps(_mm512_loadu_ps(x + i), s);
+    const __m512 y = _mm512_div_ps(attention_kernels::Avx512::load16(x + i), s);
     const __m128i codes = F == KVFormat::int8 ? encode_int8_x16(y) : encode_e4m3_x16(y);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
   }
-  for (int64_t i = full; i < n; ++i) out[i] = Codec<F>::encode(x[i] / scale);
+  for (int64_t i = full; i < n; ++i) out[i] = Codec<F>::encode(attention_kernels::to_float32(x[i]) / scale);
 }
 
-template <KVFormat F>
-PAGEDKV_TARGET_AVX512 float quantize_avx512(const float* x, int64_t n, typename Codec<F>::Code* out) {
-  __m512 m = _mm512_setzero_ps();
-  const int64_t full = n - n % 16;
-  for (int64_t i = 0; i < full; i += 16) {
-    const __m512 a = _mm512_castsi512_ps(
-        _mm512_and_si512(_mm512_castps_si512(_mm512_loadu_ps(x + i)), _mm512_set1_epi32(0x7FFFFFFF)));
-    m = _mm512_max_ps(a, m);  // the second operand for a NaN: ignored, as in amax_loop
+/// amax_loop on AVX-512 (two accumulators: half the dependency chain).
+template <class T>
+PAGEDKV_TARGET_AVX512 float amax_avx512(const T* x, int64_t n) {  // x: [n]
+  const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
+  __m512 m0 = _mm512_setzero_ps();
+  __m512 m1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    // max returns its second operand for a NaN: ignored, as in amax_loop.
+    m0 = _mm512_max_ps(
+        _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(attention_kernels::Avx512::load16(x + i)), abs_mask)),
+        m0);
+    m1 = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(
+                           _mm512_castps_si512(attention_kernels::Avx512::load16(x + i + 16)), abs_mask)),
+                       m1);
   }
-  float amax = _mm512_reduce_max_ps(m);  // max is exact in any order
-  for (int64_t i = full; i < n; ++i) {
-    const float a = std::fabs(x[i]);
+  for (; i + 16 <= n; i += 16) {
+    m0 = _mm512_max_ps(
+        _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(attention_kernels::Avx512::load16(x + i)), abs_mask)),
+        m0);
+  }
+  float amax = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));  // max is exact in any order
+  for (; i < n; ++i) {
+    const float a = std::fabs(attention_kernels::to_float32(x[i]));
     amax = a > amax ? a : amax;
   }
-  const float scale = scale_for(amax, F);
-  if (!(scale > 0.0f)) {
-    std::fill(out, out + n, typename Codec<F>::Code{0});
-    return scale;
+  return amax;
+}
+
+/// Quantizes `count` head vectors of n elements, `x_stride` elements apart,
+/// into codes `out_stride` apart and scales `scale_stride` apart. All the
+/// amaxes first, then the codes: one vector's amax -> scale -> codes is a
+/// chain of ~100 cycles of latency, and independent vectors overlap it.
+template <KVFormat F, class T>
+PAGEDKV_TARGET_AVX512 void quantize_rows_avx512(const T* x, int64_t x_stride, int64_t count, int64_t n,
+                                                typename Codec<F>::Code* out, int64_t out_stride, float* scales,
+                                                int64_t scale_stride) {
+  for (int64_t first = 0; first < count; first += kQuantizeGroup) {
+    const int64_t rows = std::min(kQuantizeGroup, count - first);
+    float group_scales[kQuantizeGroup];
+    for (int64_t r = 0; r < rows; ++r) group_scales[r] = scale_for(amax_avx512(x + (first + r) * x_stride, n), F);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float scale = group_scales[r];
+      scales[(first + r) * scale_stride] = scale;
+      typename Codec<F>::Code* codes = out + (first + r) * out_stride;
+      if (scale > 0.0f) {
+        encode_avx512<F>(x + (first + r) * x_stride, n, scale, codes);
+      } else {
+        std::fill(codes, codes + n, typename Codec<F>::Code{0});
+      }
+    }
   }
-  encode_avx512<F>(x, n, scale, out);
-  return scale;
 }
 
 template <KVFormat F>
@@ -464,19 +519,38 @@ inline void decode_row(Isa isa, const typename Codec<F>::Code* codes,  // [n]
   }
 }
 
-/// Quantizes one head vector: its amax, scale and codes. Returns the scale.
-template <KVFormat F>
-inline float quantize_vector(Isa isa, const float* x,  // [n]
-                             int64_t n, typename Codec<F>::Code* out) {  // out: [n]
+/// Quantizes `count` head vectors of float32, fp16 or bf16 (each
+/// contiguous, `x_stride` elements apart): amax, scale and codes of each,
+/// codes `out_stride` apart, scales `scale_stride` apart. The vector paths
+/// widen as they load, twice (amax, then the codes), which is cheaper than
+/// staging floats.
+template <KVFormat F, class T>
+inline void quantize_rows(Isa isa, const T* x,  // count x [n]
+                          int64_t x_stride, int64_t count, int64_t n,
+                          typename Codec<F>::Code* out,  // count x [n]
+                          int64_t out_stride,
+                          float* scales,  // [count]
+                          int64_t scale_stride) {
   switch (isa) {
 #ifdef PAGEDKV_ATTENTION_AVX512
-    case Isa::avx512: return quantize_avx512<F>(x, n, out);
+    case Isa::avx512: return quantize_rows_avx512<F>(x, x_stride, count, n, out, out_stride, scales, scale_stride);
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX2
-    case Isa::avx2: return quantize_avx2<F>(x, n, out);
+    case Isa::avx2: return quantize_rows_avx2<F>(x, x_stride, count, n, out, out_stride, scales, scale_stride);
 #endif
-    default: return quantize_loop<F>(x, n, out);
+    default:
+      for (int64_t r = 0; r < count; ++r)
+        scales[r * scale_stride] = quantize_loop<F>(x + r * x_stride, n, out + r * out_stride);
   }
+}
+
+/// Quantizes one head vector (contiguous): its amax, scale and codes. Returns the scale.
+template <KVFormat F, class T>
+inline float quantize_vector(Isa isa, const T* x,  // [n]
+                             int64_t n, typename Codec<F>::Code* out) {  // out: [n]
+  float scale = 0.0f;
+  quantize_rows<F>(isa, x, n, 1, n, out, n, &scale, 1);
+  return scale;
 }
 
 // ---- the logical dtype <-> float32, per instruction set ----
@@ -599,6 +673,72 @@ inline void narrow_row(Isa isa, const float* x, int64_t n, T* out) {  // x, out:
 #endif
     default: return narrow_loop(x, n, out);
   }
+}
+
+// ---- codes -> the logical dtype in one pass ----
+
+/// T(x) as narrow_loop rounds it (round to nearest even; c10's for fp16).
+template <class T>
+inline T narrow_value(float x) noexcept {
+  return static_cast<T>(x);
+}
+template <>
+inline c10::BFloat16 narrow_value<c10::BFloat16>(float x) noexcept {
+  return float_to_bf16(x);
+}
+
+#ifdef PAGEDKV_ATTENTION_AVX512
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#endif
+/// Stores 16 floats as T, rounded as narrow_loop rounds them.
+PAGEDKV_TARGET_AVX512 inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
+PAGEDKV_TARGET_AVX512 inline void store16(c10::Half* out, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+/// float_to_bf16 on 16 lanes.
+PAGEDKV_TARGET_AVX512 inline void store16(c10::BFloat16* out, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                   _mm512_set1_epi32(0x7F800000));
+  rounded = _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(rounded));
+}
+
+/// decode_avx512 then narrow_avx512, with no float row in between.
+template <KVFormat F, class T>
+PAGEDKV_TARGET_AVX512 void dequantize_avx512(const typename Codec<F>::Code* codes, int64_t n, float scale, T* out) {
+  const __m512 s = _mm512_set1_ps(scale);
+  const int64_t full = n - n % 16;
+  for (int64_t i = 0; i < full; i += 16) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+    const __m512 v = F == KVFormat::int8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw))
+                                         : decode_e4m3_x16(_mm512_cvtepu8_epi32(raw));
+    store16(out + i, _mm512_mul_ps(v, s));
+  }
+  for (int64_t i = full; i < n; ++i) out[i] = narrow_value<T>(Codec<F>::decode(codes[i]) * scale);
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
+/// out[i] = T(decode(codes[i]) * scale): decode_row then narrow_row, bit
+/// for bit; AVX-512 does it in one pass, the other paths through `buf`.
+template <KVFormat F, class T>
+inline void dequantize_row(Isa isa, const typename Codec<F>::Code* codes,  // [n]
+                           int64_t n, float scale,
+                           T* out,       // [n]
+                           float* buf) {  // [n]
+#ifdef PAGEDKV_ATTENTION_AVX512
+  if (isa == Isa::avx512) return dequantize_avx512<F>(codes, n, scale, out);
+#endif
+  decode_row<F>(isa, codes, n, scale, buf);
+  narrow_row<T>(isa, buf, n, out);
 }
 
 /// Elements of T to float32 (exact for the dtypes a cache holds), any element stride.

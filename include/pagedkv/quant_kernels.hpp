@@ -47,17 +47,35 @@ struct SideTokens {
   kernels::BlockStrides strides;  // bytes between tokens / heads / elements
 };
 
-/// Quantizes `shape.tokens` tokens of every head from `src` into the page
-/// (codes at `codes`, scales at `scales`; both already at the page's first slot).
+/// The geometry of a scales page: one value per head row.
+inline PageGeometry scale_geometry(const PageGeometry& g) {
+  return {g.page_size, g.n_heads, 1, g.token_stride / g.head_dim, g.head_stride / g.head_dim,
+          g.page_size * g.n_heads};
+}
+
+/// Quantizes `tokens` tokens of every head from `src` into one page, from
+/// slot `first_slot_token` on (codes and scales: the page's own).
 template <KVFormat F, class T>
 void quantize_block(attention_kernels::Isa isa, const char* src, const kernels::BlockStrides& ss,
-                    typename quant::Codec<F>::Code* codes, float* scales, int64_t first_slot_token,
-                    const PageGeometry& g, int64_t tokens, float* buf /* [D] */) {
+                    typename quant::Codec<F>::Code* codes,  // [<page>]
+                    float* scales,                          // [page_size * H]
+                    int64_t first_slot_token, const PageGeometry& g, int64_t tokens, float* buf /* [D] */) {
+  const PageGeometry sg = scale_geometry(g);
+  const bool contiguous = ss.elem == static_cast<int64_t>(sizeof(T));
+  const bool heads_aligned = ss.head % static_cast<int64_t>(sizeof(T)) == 0;
   for (int64_t t = 0; t < tokens; ++t) {
+    const char* token = src + t * ss.token;
+    typename quant::Codec<F>::Code* token_codes = codes + g.offset(first_slot_token + t, 0);
+    float* token_scales = scales + sg.offset(first_slot_token + t, 0);
+    if (contiguous && heads_aligned) {  // a token's heads at once: their chains overlap
+      quant::quantize_rows<F>(isa, reinterpret_cast<const T*>(token), ss.head / static_cast<int64_t>(sizeof(T)),
+                              g.n_heads, g.head_dim, token_codes, g.head_stride, token_scales, sg.head_stride);
+      continue;
+    }
     for (int64_t h = 0; h < g.n_heads; ++h) {
-      quant::to_float<T>(isa, src + t * ss.token + h * ss.head, ss.elem, g.head_dim, buf);
-      const int64_t offset = g.offset(first_slot_token + t, h);
-      scales[offset / g.head_dim] = quant::quantize_vector<F>(isa, buf, g.head_dim, codes + offset);
+      quant::to_float<T>(isa, token + h * ss.head, ss.elem, g.head_dim, buf);
+      token_scales[h * sg.head_stride] =
+          quant::quantize_vector<F>(isa, buf, g.head_dim, token_codes + h * g.head_stride);
     }
   }
 }
@@ -119,11 +137,11 @@ template <KVFormat F, class T>
 void dequantize_block(attention_kernels::Isa isa, const typename quant::Codec<F>::Code* codes, const float* scales,
                       const PageGeometry& g, int64_t tokens, T* out, float* buf /* [D] */) {
   const int64_t D = g.head_dim;
+  const PageGeometry sg = scale_geometry(g);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t h = 0; h < g.n_heads; ++h) {
-      const int64_t offset = g.offset(t, h);
-      quant::decode_row<F>(isa, codes + offset, D, scales[offset / D], buf);
-      quant::narrow_row<T>(isa, buf, D, out + (t * g.n_heads + h) * D);
+      quant::dequantize_row<F>(isa, codes + g.offset(t, h), D, scales[sg.offset(t, h)],
+                               out + (t * g.n_heads + h) * D, buf);
     }
   }
 }
@@ -184,12 +202,6 @@ void gather_side_cpu(const PageTableRef<Index>& table,     // [B, max_pages]
 }
 
 // ---- device-agnostic (ATen) path ----
-
-/// The geometry of a scales page: one value per head row.
-inline PageGeometry scale_geometry(const PageGeometry& g) {
-  return {g.page_size, g.n_heads, 1, g.token_stride / g.head_dim, g.head_stride / g.head_dim,
-          g.page_size * g.n_heads};
-}
 
 /// The scales of head vectors x [N, D] (float32): the same float32 division
 /// as scale_for (a tensor divisor: a scalar one may become a multiply by its

@@ -106,8 +106,8 @@ struct Avx2 {
     for (; d < n; ++d) row[d] *= factor;
   }
 
- private:
-  // 8 elements as float32.
+ public:
+  // 8 elements as float32 (also the codecs' loads, quant_codecs.hpp).
   PAGEDKV_TARGET_AVX2 static __m256 load8(const float* p) noexcept { return _mm256_loadu_ps(p); }
   PAGEDKV_TARGET_AVX2 static __m256 load8(const c10::Half* p) noexcept {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -124,6 +124,8 @@ struct Avx2 {
   PAGEDKV_TARGET_AVX2 static __m256 load8(const int8_t* p) noexcept {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+
+ private:
   /// `count` (< 8) elements as float32, zeros after (the tail of an odd head_dim).
   template <class E>
   PAGEDKV_TARGET_AVX2 static __m256 load_first(const E* p, int64_t count) noexcept {

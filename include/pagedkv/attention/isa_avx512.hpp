@@ -118,7 +118,8 @@ struct Avx512 {
     return static_cast<__mmask16>((1u << static_cast<unsigned>(count)) - 1u);
   }
 
-  // 16 elements as float32.
+ public:
+  // 16 elements as float32 (also the codecs' loads, quant_codecs.hpp).
   PAGEDKV_TARGET_AVX512 static __m512 load16(const float* p) noexcept { return _mm512_loadu_ps(p); }
   PAGEDKV_TARGET_AVX512 static __m512 load16(const c10::Half* p) noexcept {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -138,6 +139,8 @@ struct Avx512 {
   PAGEDKV_TARGET_AVX512 static __m512 load16(const int8_t* p) noexcept {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+
+ private:
   /// `count` (< 16) elements as float32, zeros after (the tail of an odd head_dim).
   template <class E>
   PAGEDKV_TARGET_AVX512 static __m512 load_first(const E* p, int64_t count) noexcept {
