@@ -181,6 +181,34 @@ inline float quantize_loop(const T* x,  // [n]
   return scale;
 }
 
+/// The vector paths' quantize_rows: `count` head vectors in groups of
+/// kQuantizeGroup, all the amaxes of a group first, then its scales and
+/// codes. One vector's amax -> scale -> codes is a chain of ~100 cycles of
+/// latency; independent vectors in flight overlap it. Amax and Encode are
+/// one instruction set's functions; each path's wrapper inlines them
+/// (flatten) into its own target.
+template <KVFormat F, class T, float (*Amax)(const T*, int64_t),
+          void (*Encode)(const T*, int64_t, float, typename Codec<F>::Code*)>
+inline void quantize_rows_grouped(const T* x, int64_t x_stride, int64_t count, int64_t n,
+                                  typename Codec<F>::Code* out, int64_t out_stride, float* scales,
+                                  int64_t scale_stride) {
+  for (int64_t first = 0; first < count; first += kQuantizeGroup) {
+    const int64_t rows = std::min(kQuantizeGroup, count - first);
+    float group_scales[kQuantizeGroup];
+    for (int64_t r = 0; r < rows; ++r) group_scales[r] = scale_for(Amax(x + (first + r) * x_stride, n), F);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float scale = group_scales[r];
+      scales[(first + r) * scale_stride] = scale;
+      typename Codec<F>::Code* codes = out + (first + r) * out_stride;
+      if (scale > 0.0f) {
+        Encode(x + (first + r) * x_stride, n, scale, codes);
+      } else {
+        std::fill(codes, codes + n, typename Codec<F>::Code{0});
+      }
+    }
+  }
+}
+
 #ifdef PAGEDKV_ATTENTION_AVX2
 // AVX2 + FMA + F16C: the scalar functions' arithmetic spelled in
 // intrinsics, 8 elements at a time (g++ 12 does not vectorise the scalar
@@ -293,26 +321,13 @@ PAGEDKV_TARGET_AVX2 float amax_avx2(const T* x, int64_t n) {  // x: [n]
   return amax;
 }
 
-/// quantize_rows_avx512 on AVX2.
 template <KVFormat F, class T>
-PAGEDKV_TARGET_AVX2 void quantize_rows_avx2(const T* x, int64_t x_stride, int64_t count, int64_t n,
-                                            typename Codec<F>::Code* out, int64_t out_stride, float* scales,
-                                            int64_t scale_stride) {
-  for (int64_t first = 0; first < count; first += kQuantizeGroup) {
-    const int64_t rows = std::min(kQuantizeGroup, count - first);
-    float group_scales[kQuantizeGroup];
-    for (int64_t r = 0; r < rows; ++r) group_scales[r] = scale_for(amax_avx2(x + (first + r) * x_stride, n), F);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float scale = group_scales[r];
-      scales[(first + r) * scale_stride] = scale;
-      typename Codec<F>::Code* codes = out + (first + r) * out_stride;
-      if (scale > 0.0f) {
-        encode_avx2<F>(x + (first + r) * x_stride, n, scale, codes);
-      } else {
-        std::fill(codes, codes + n, typename Codec<F>::Code{0});
-      }
-    }
-  }
+PAGEDKV_TARGET_AVX2 __attribute__((flatten)) void quantize_rows_avx2(const T* x, int64_t x_stride, int64_t count,
+                                                                     int64_t n, typename Codec<F>::Code* out,
+                                                                     int64_t out_stride, float* scales,
+                                                                     int64_t scale_stride) {
+  quantize_rows_grouped<F, T, amax_avx2<T>, encode_avx2<F, T>>(x, x_stride, count, n, out, out_stride, scales,
+                                                                 scale_stride);
 }
 
 template <KVFormat F>
@@ -440,29 +455,13 @@ PAGEDKV_TARGET_AVX512 float amax_avx512(const T* x, int64_t n) {  // x: [n]
   return amax;
 }
 
-/// Quantizes `count` head vectors of n elements, `x_stride` elements apart,
-/// into codes `out_stride` apart and scales `scale_stride` apart. All the
-/// amaxes first, then the codes: one vector's amax -> scale -> codes is a
-/// chain of ~100 cycles of latency, and independent vectors overlap it.
 template <KVFormat F, class T>
-PAGEDKV_TARGET_AVX512 void quantize_rows_avx512(const T* x, int64_t x_stride, int64_t count, int64_t n,
-                                                typename Codec<F>::Code* out, int64_t out_stride, float* scales,
-                                                int64_t scale_stride) {
-  for (int64_t first = 0; first < count; first += kQuantizeGroup) {
-    const int64_t rows = std::min(kQuantizeGroup, count - first);
-    float group_scales[kQuantizeGroup];
-    for (int64_t r = 0; r < rows; ++r) group_scales[r] = scale_for(amax_avx512(x + (first + r) * x_stride, n), F);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float scale = group_scales[r];
-      scales[(first + r) * scale_stride] = scale;
-      typename Codec<F>::Code* codes = out + (first + r) * out_stride;
-      if (scale > 0.0f) {
-        encode_avx512<F>(x + (first + r) * x_stride, n, scale, codes);
-      } else {
-        std::fill(codes, codes + n, typename Codec<F>::Code{0});
-      }
-    }
-  }
+PAGEDKV_TARGET_AVX512 __attribute__((flatten)) void quantize_rows_avx512(const T* x, int64_t x_stride, int64_t count,
+                                                                         int64_t n, typename Codec<F>::Code* out,
+                                                                         int64_t out_stride, float* scales,
+                                                                         int64_t scale_stride) {
+  quantize_rows_grouped<F, T, amax_avx512<T>, encode_avx512<F, T>>(x, x_stride, count, n, out, out_stride, scales,
+                                                                     scale_stride);
 }
 
 template <KVFormat F>
