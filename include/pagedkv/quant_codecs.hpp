@@ -726,8 +726,43 @@ PAGEDKV_TARGET_AVX512 void dequantize_avx512(const typename Codec<F>::Code* code
 #endif
 #endif
 
+#ifdef PAGEDKV_ATTENTION_AVX2
+/// Stores 8 floats as T, rounded as narrow_loop rounds them.
+PAGEDKV_TARGET_AVX2 inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
+PAGEDKV_TARGET_AVX2 inline void store8(c10::Half* out, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+/// float_to_bf16 on 8 lanes.
+PAGEDKV_TARGET_AVX2 inline void store8(c10::BFloat16* out, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i is_nan =
+      _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), is_nan);
+  // Every lane holds 0..0xFFFF: the unsigned pack is exact; it packs within
+  // 128-bit halves, so the two halves' low quadwords are brought together.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+
+/// decode_avx2 then narrow_avx2, with no float row in between.
+template <KVFormat F, class T>
+PAGEDKV_TARGET_AVX2 void dequantize_avx2(const typename Codec<F>::Code* codes, int64_t n, float scale, T* out) {
+  const __m256 s = _mm256_set1_ps(scale);
+  const int64_t full = n - n % 8;
+  for (int64_t i = 0; i < full; i += 8) {
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
+    const __m256 v = F == KVFormat::int8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))
+                                         : decode_e4m3_x8(_mm256_cvtepu8_epi32(raw));
+    store8(out + i, _mm256_mul_ps(v, s));
+  }
+  for (int64_t i = full; i < n; ++i) out[i] = narrow_value<T>(Codec<F>::decode(codes[i]) * scale);
+}
+#endif
+
 /// out[i] = T(decode(codes[i]) * scale): decode_row then narrow_row, bit
-/// for bit; AVX-512 does it in one pass, the other paths through `buf`.
+/// for bit; the vector paths do it in one pass, the portable one through `buf`.
 template <KVFormat F, class T>
 inline void dequantize_row(Isa isa, const typename Codec<F>::Code* codes,  // [n]
                            int64_t n, float scale,
@@ -735,6 +770,9 @@ inline void dequantize_row(Isa isa, const typename Codec<F>::Code* codes,  // [n
                            float* buf) {  // [n]
 #ifdef PAGEDKV_ATTENTION_AVX512
   if (isa == Isa::avx512) return dequantize_avx512<F>(codes, n, scale, out);
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX2
+  if (isa == Isa::avx2) return dequantize_avx2<F>(codes, n, scale, out);
 #endif
   decode_row<F>(isa, codes, n, scale, buf);
   narrow_row<T>(isa, buf, n, out);
