@@ -209,6 +209,27 @@ inline void quantize_rows_grouped(const T* x, int64_t x_stride, int64_t count, i
   }
 }
 
+// ---- the logical dtype's rounding, shared by every path ----
+
+inline float bf16_to_float(c10::BFloat16 b) noexcept { return bits_float(static_cast<uint32_t>(b.x) << 16); }
+
+/// c10::BFloat16(float)'s rounding (round to nearest even; NaN -> 0x7FC0), branch-free.
+inline c10::BFloat16 float_to_bf16(float f) noexcept {
+  const uint32_t u = float_bits(f);
+  const auto rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return c10::BFloat16((u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : rounded, c10::BFloat16::from_bits());
+}
+
+/// T(x) as narrow_loop rounds it (round to nearest even; c10's for fp16).
+template <class T>
+inline T narrow_value(float x) noexcept {
+  return static_cast<T>(x);
+}
+template <>
+inline c10::BFloat16 narrow_value<c10::BFloat16>(float x) noexcept {
+  return float_to_bf16(x);
+}
+
 #ifdef PAGEDKV_ATTENTION_AVX2
 // AVX2 + FMA + F16C: the scalar functions' arithmetic spelled in
 // intrinsics, 8 elements at a time (g++ 12 does not vectorise the scalar
@@ -330,18 +351,37 @@ PAGEDKV_TARGET_AVX2 __attribute__((flatten)) void quantize_rows_avx2(const T* x,
                                                                  scale_stride);
 }
 
-template <KVFormat F>
-PAGEDKV_TARGET_AVX2 void decode_avx2(const typename Codec<F>::Code* codes,  // [n]
-                                     int64_t n, float scale, float* out) {   // out: [n]
+/// Stores 8 floats as T, rounded as narrow_loop rounds them.
+PAGEDKV_TARGET_AVX2 inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
+PAGEDKV_TARGET_AVX2 inline void store8(c10::Half* out, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+/// float_to_bf16 on 8 lanes.
+PAGEDKV_TARGET_AVX2 inline void store8(c10::BFloat16* out, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i is_nan =
+      _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), is_nan);
+  // Every lane holds 0..0xFFFF: the unsigned pack is exact; it packs within
+  // 128-bit halves, so the two halves' low quadwords are brought together.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+
+/// out[i] = T(decode(codes[i]) * scale) in one pass (T = float: decode_row).
+template <KVFormat F, class T>
+PAGEDKV_TARGET_AVX2 void dequantize_avx2(const typename Codec<F>::Code* codes, int64_t n, float scale, T* out) {
   const __m256 s = _mm256_set1_ps(scale);
   const int64_t full = n - n % 8;
   for (int64_t i = 0; i < full; i += 8) {
     const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
     const __m256 v = F == KVFormat::int8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))
                                          : decode_e4m3_x8(_mm256_cvtepu8_epi32(raw));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(v, s));
+    store8(out + i, _mm256_mul_ps(v, s));
   }
-  for (int64_t i = full; i < n; ++i) out[i] = Codec<F>::decode(codes[i]) * scale;
+  for (int64_t i = full; i < n; ++i) out[i] = narrow_value<T>(Codec<F>::decode(codes[i]) * scale);
 }
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX512
@@ -464,17 +504,34 @@ PAGEDKV_TARGET_AVX512 __attribute__((flatten)) void quantize_rows_avx512(const T
                                                                      scale_stride);
 }
 
-template <KVFormat F>
-PAGEDKV_TARGET_AVX512 void decode_avx512(const typename Codec<F>::Code* codes, int64_t n, float scale, float* out) {
+/// Stores 16 floats as T, rounded as narrow_loop rounds them.
+PAGEDKV_TARGET_AVX512 inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
+PAGEDKV_TARGET_AVX512 inline void store16(c10::Half* out, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+/// float_to_bf16 on 16 lanes.
+PAGEDKV_TARGET_AVX512 inline void store16(c10::BFloat16* out, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                   _mm512_set1_epi32(0x7F800000));
+  rounded = _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(rounded));
+}
+
+/// out[i] = T(decode(codes[i]) * scale) in one pass (T = float: decode_row).
+template <KVFormat F, class T>
+PAGEDKV_TARGET_AVX512 void dequantize_avx512(const typename Codec<F>::Code* codes, int64_t n, float scale, T* out) {
   const __m512 s = _mm512_set1_ps(scale);
   const int64_t full = n - n % 16;
   for (int64_t i = 0; i < full; i += 16) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
     const __m512 v = F == KVFormat::int8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw))
                                          : decode_e4m3_x16(_mm512_cvtepu8_epi32(raw));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(v, s));
+    store16(out + i, _mm512_mul_ps(v, s));
   }
-  for (int64_t i = full; i < n; ++i) out[i] = Codec<F>::decode(codes[i]) * scale;
+  for (int64_t i = full; i < n; ++i) out[i] = narrow_value<T>(Codec<F>::decode(codes[i]) * scale);
 }
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
@@ -509,10 +566,10 @@ inline void decode_row(Isa isa, const typename Codec<F>::Code* codes,  // [n]
                        int64_t n, float scale, float* out) {            // out: [n]
   switch (isa) {
 #ifdef PAGEDKV_ATTENTION_AVX512
-    case Isa::avx512: return decode_avx512<F>(codes, n, scale, out);
+    case Isa::avx512: return dequantize_avx512<F>(codes, n, scale, out);
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX2
-    case Isa::avx2: return decode_avx2<F>(codes, n, scale, out);
+    case Isa::avx2: return dequantize_avx2<F>(codes, n, scale, out);
 #endif
     default: return decode_loop<F>(codes, n, scale, out);
   }
@@ -557,15 +614,6 @@ inline float quantize_vector(Isa isa, const T* x,  // [n]
 // element: 50x a memcpy of the codes); F16C converts 8 or 16 at once, with
 // the same round to nearest even. bf16 is a shift (widening) and c10's
 // integer round to nearest even (narrowing), which the compiler vectorises.
-
-inline float bf16_to_float(c10::BFloat16 b) noexcept { return bits_float(static_cast<uint32_t>(b.x) << 16); }
-
-/// c10::BFloat16(float)'s rounding (round to nearest even; NaN -> 0x7FC0), branch-free.
-inline c10::BFloat16 float_to_bf16(float f) noexcept {
-  const uint32_t u = float_bits(f);
-  const auto rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  return c10::BFloat16((u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : rounded, c10::BFloat16::from_bits());
-}
 
 /// out[i] = float(src[i]), contiguous src.
 template <class T>
@@ -673,93 +721,6 @@ inline void narrow_row(Isa isa, const float* x, int64_t n, T* out) {  // x, out:
     default: return narrow_loop(x, n, out);
   }
 }
-
-// ---- codes -> the logical dtype in one pass ----
-
-/// T(x) as narrow_loop rounds it (round to nearest even; c10's for fp16).
-template <class T>
-inline T narrow_value(float x) noexcept {
-  return static_cast<T>(x);
-}
-template <>
-inline c10::BFloat16 narrow_value<c10::BFloat16>(float x) noexcept {
-  return float_to_bf16(x);
-}
-
-#ifdef PAGEDKV_ATTENTION_AVX512
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#endif
-/// Stores 16 floats as T, rounded as narrow_loop rounds them.
-PAGEDKV_TARGET_AVX512 inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
-PAGEDKV_TARGET_AVX512 inline void store16(c10::Half* out, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-/// float_to_bf16 on 16 lanes.
-PAGEDKV_TARGET_AVX512 inline void store16(c10::BFloat16* out, __m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                   _mm512_set1_epi32(0x7F800000));
-  rounded = _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(rounded));
-}
-
-/// decode_avx512 then narrow_avx512, with no float row in between.
-template <KVFormat F, class T>
-PAGEDKV_TARGET_AVX512 void dequantize_avx512(const typename Codec<F>::Code* codes, int64_t n, float scale, T* out) {
-  const __m512 s = _mm512_set1_ps(scale);
-  const int64_t full = n - n % 16;
-  for (int64_t i = 0; i < full; i += 16) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
-    const __m512 v = F == KVFormat::int8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw))
-                                         : decode_e4m3_x16(_mm512_cvtepu8_epi32(raw));
-    store16(out + i, _mm512_mul_ps(v, s));
-  }
-  for (int64_t i = full; i < n; ++i) out[i] = narrow_value<T>(Codec<F>::decode(codes[i]) * scale);
-}
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#endif
-
-#ifdef PAGEDKV_ATTENTION_AVX2
-/// Stores 8 floats as T, rounded as narrow_loop rounds them.
-PAGEDKV_TARGET_AVX2 inline void store8(float* out, __m256 v) { _mm256_storeu_ps(out, v); }
-PAGEDKV_TARGET_AVX2 inline void store8(c10::Half* out, __m256 v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-/// float_to_bf16 on 8 lanes.
-PAGEDKV_TARGET_AVX2 inline void store8(c10::BFloat16* out, __m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  const __m256i is_nan =
-      _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), is_nan);
-  // Every lane holds 0..0xFFFF: the unsigned pack is exact; it packs within
-  // 128-bit halves, so the two halves' low quadwords are brought together.
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
-}
-
-/// decode_avx2 then narrow_avx2, with no float row in between.
-template <KVFormat F, class T>
-PAGEDKV_TARGET_AVX2 void dequantize_avx2(const typename Codec<F>::Code* codes, int64_t n, float scale, T* out) {
-  const __m256 s = _mm256_set1_ps(scale);
-  const int64_t full = n - n % 8;
-  for (int64_t i = 0; i < full; i += 8) {
-    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
-    const __m256 v = F == KVFormat::int8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))
-                                         : decode_e4m3_x8(_mm256_cvtepu8_epi32(raw));
-    store8(out + i, _mm256_mul_ps(v, s));
-  }
-  for (int64_t i = full; i < n; ++i) out[i] = narrow_value<T>(Codec<F>::decode(codes[i]) * scale);
-}
-#endif
 
 /// out[i] = T(decode(codes[i]) * scale): decode_row then narrow_row, bit
 /// for bit; the vector paths do it in one pass, the portable one through `buf`.
