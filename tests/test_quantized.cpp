@@ -336,6 +336,49 @@ TEST(QuantizedCacheCpu, CpuKernelsAndTheGenericPathGiveIdenticalCodes) {
   });
 }
 
+/// A gather of 16 MiB or more streams its output (quant::dequantize_row's
+/// streaming stores, rows of whole cache lines only): the same values as the
+/// generic path, zeros past each length and for an unmapped page.
+TEST(QuantizedCacheCpu, LargeGatherStreamsItsOutputAndMatchesTheGenericPath) {
+  struct Shape {
+    at::ScalarType dtype;
+    int64_t heads, head_dim;  // rows of 128 and 256 bytes stream; 80 bytes (fp16 x 40) do not
+  };
+  const int64_t B = 4, T = 2100, P = 16, cols = (T + P - 1) / P;
+  for_each_layout([&](auto layout) {
+    using L = decltype(layout);
+    for (const Shape& shape : {Shape{at::kHalf, 8, 64}, Shape{at::kFloat, 8, 64}, Shape{at::kHalf, 16, 40}}) {
+      for (const KVQuant& q : {KVQuant{KVFormat::fp8_e4m3, KVFormat::fp8_e4m3}, KVQuant{KVFormat::int8, KVFormat::native}}) {
+        const std::string what = describe(q, shape.dtype, P, L::name) + " D " + std::to_string(shape.head_dim);
+        const int64_t H = shape.heads, D = shape.head_dim;
+        PagedCache<L> cache(1, B * cols, P, H, D, at::TensorOptions().dtype(shape.dtype), q);
+        at::Tensor pt = at::tensor(cache.alloc_n(B * cols), at::kLong).view({B, cols}).flip(1).contiguous();
+        const at::Tensor k = hard_data(B, T, H, D, 41).to(shape.dtype);
+        const at::Tensor v = at::randn({B, T, H, D}).to(shape.dtype);
+        cache.write(0, pt, 0, k, v);
+        pt[2][10] = -1;  // a hole past row 2's length
+        const at::Tensor lengths = ints({T, 1000, 7 * P + 3, 0});
+        const int64_t output_bytes = 2 * B * T * H * D * static_cast<int64_t>(c10::elementSize(shape.dtype));
+        if (pagedkv::kernels::kHaveStreamingStores) {
+          ASSERT_TRUE(pagedkv::kernels::use_streaming_gather(output_bytes)) << what;
+        }
+        const auto streamed = cache.bind(pt, lengths).gather(0);
+        std::pair<at::Tensor, at::Tensor> generic;
+        {
+          const pagedkv::ScopedBackend backend(pagedkv::Backend::generic);
+          generic = cache.bind(pt, lengths).gather(0);
+        }
+        EXPECT_TRUE(bitwise_equal(streamed.first, generic.first)) << what << ": k";
+        EXPECT_TRUE(bitwise_equal(streamed.second, generic.second)) << what << ": v";
+        EXPECT_EQ(streamed.first[1].slice(0, 1000).abs().sum().template item<float>(), 0.0f) << what;
+        EXPECT_EQ(streamed.second[2].slice(0, 7 * P + 3).abs().sum().template item<float>(), 0.0f) << what;
+        EXPECT_EQ(streamed.first[3].abs().sum().template item<float>(), 0.0f) << what;
+        EXPECT_GT(streamed.first[0].abs().sum().template item<float>(), 0.0f) << what;
+      }
+    }
+  });
+}
+
 // ---- paged attention on quantized pages ----
 
 /// Causal attention in float64 over k, v [B, T, H, D] (zeros past lengths),

@@ -289,20 +289,29 @@ PAGEDKV_TARGET_AVX2 inline __m256i encode_int8_x8(__m256 y) {
   return _mm256_cvttps_epi32(r);
 }
 
-/// decode_e4m3 of 8 codes (as int32 lanes).
-PAGEDKV_TARGET_AVX2 inline __m256 decode_e4m3_x8(__m256i c) {
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
-  const __m256i normal = _mm256_or_si256(
-      sign, _mm256_add_epi32(_mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x7F)), 20),
-                             _mm256_set1_epi32(120 << 23)));
-  const __m256 sub_value =
-      _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(c, _mm256_set1_epi32(7))), _mm256_set1_ps(0x1p-9f));
-  const __m256i subnormal = _mm256_or_si256(sign, _mm256_castps_si256(sub_value));
-  const __m256i is_subnormal = _mm256_cmpeq_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x78)), _mm256_setzero_si256());
-  __m256i bits = _mm256_blendv_epi8(normal, subnormal, is_subnormal);
-  const __m256i is_nan = _mm256_cmpeq_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x7F)), _mm256_set1_epi32(0x7F));
-  bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC00000), is_nan);
-  return _mm256_castsi256_ps(bits);
+/// What the NaN codes 0x7F / 0xFF read as through fp16 (Avx2::load8,
+/// Avx512::load16): +-480 / 2^8.
+constexpr float kE4m3NanViaHalf = 480.0f / attention_kernels::kE4m3ViaHalfFactor;
+
+/// Whether the vector dequantizers' scale (fp8: scale * 2^8, see
+/// decode_e4m3_times_x8) is exact: it is unless scale * 2^8 overflows, for
+/// a scale above 2^120 that the encoder never writes; such a row takes the
+/// scalar loop.
+inline bool vector_scale_is_exact(float scale, float vector_scale) noexcept {
+  return !(std::isinf(vector_scale) && std::isfinite(scale));
+}
+
+/// decode_e4m3(c) * scale of the 8 codes at `codes`, given
+/// `scale_via_half` = scale * 2^8 (the caller checks that it is exact).
+/// Read through fp16 a code is e4m3(c) / 2^8, subnormals included
+/// (Avx2::load8), so the product is the same real number, rounded once.
+/// The NaN codes 0x7F / 0xFF, which read as +-480 / 2^8 that way, give NaN.
+PAGEDKV_TARGET_AVX2 inline __m256 decode_e4m3_times_x8(const uint8_t* codes, __m256 scale_via_half) {
+  const __m256 scaled = attention_kernels::Avx2::load8(reinterpret_cast<const attention_kernels::E4m3Code*>(codes));
+  const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), scaled);
+  const __m256 is_nan = _mm256_cmp_ps(magnitude, _mm256_set1_ps(kE4m3NanViaHalf), _CMP_EQ_OQ);
+  return _mm256_blendv_ps(_mm256_mul_ps(scaled, scale_via_half),
+                          _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), is_nan);
 }
 
 /// Codes of x / scale, scale > 0; x float32, fp16 or bf16, widened as it is loaded.
@@ -356,8 +365,8 @@ PAGEDKV_TARGET_AVX2 inline void store8(float* out, __m256 v) { _mm256_storeu_ps(
 PAGEDKV_TARGET_AVX2 inline void store8(c10::Half* out, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-/// float_to_bf16 on 8 lanes.
-PAGEDKV_TARGET_AVX2 inline void store8(c10::BFloat16* out, __m256 v) {
+/// float_to_bf16 on 8 lanes: their bits in the low 128 bits.
+PAGEDKV_TARGET_AVX2 inline __m128i bf16_bits8(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
@@ -367,19 +376,40 @@ PAGEDKV_TARGET_AVX2 inline void store8(c10::BFloat16* out, __m256 v) {
   // Every lane holds 0..0xFFFF: the unsigned pack is exact; it packs within
   // 128-bit halves, so the two halves' low quadwords are brought together.
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+  return _mm256_castsi256_si128(packed);
+}
+PAGEDKV_TARGET_AVX2 inline void store8(c10::BFloat16* out, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bf16_bits8(v));
+}
+
+/// store8 with a streaming (non-temporal) store; `out` aligned to the 8 elements' bytes.
+PAGEDKV_TARGET_AVX2 inline void stream8(float* out, __m256 v) { _mm256_stream_ps(out, v); }
+PAGEDKV_TARGET_AVX2 inline void stream8(c10::Half* out, __m256 v) {
+  _mm_stream_si128(reinterpret_cast<__m128i*>(out), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+PAGEDKV_TARGET_AVX2 inline void stream8(c10::BFloat16* out, __m256 v) {
+  _mm_stream_si128(reinterpret_cast<__m128i*>(out), bf16_bits8(v));
 }
 
 /// out[i] = T(decode(codes[i]) * scale) in one pass (T = float: decode_row).
-template <KVFormat F, class T>
+/// kStream: streaming stores, for an `out` of whole 64-byte lines (streams_row).
+template <KVFormat F, class T, bool kStream = false>
 PAGEDKV_TARGET_AVX2 void dequantize_avx2(const typename Codec<F>::Code* codes, int64_t n, float scale, T* out) {
-  const __m256 s = _mm256_set1_ps(scale);
-  const int64_t full = n - n % 8;
+  const float vector_scale = F == KVFormat::fp8_e4m3 ? scale * attention_kernels::kE4m3ViaHalfFactor : scale;
+  const int64_t full = vector_scale_is_exact(scale, vector_scale) ? n - n % 8 : 0;
+  const __m256 s = _mm256_set1_ps(vector_scale);
   for (int64_t i = 0; i < full; i += 8) {
-    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
-    const __m256 v = F == KVFormat::int8 ? _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))
-                                         : decode_e4m3_x8(_mm256_cvtepu8_epi32(raw));
-    store8(out + i, _mm256_mul_ps(v, s));
+    __m256 v;
+    if constexpr (F == KVFormat::int8) {
+      v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)))), s);
+    } else {
+      v = decode_e4m3_times_x8(codes + i, s);
+    }
+    if constexpr (kStream) {
+      stream8(out + i, v);
+    } else {
+      store8(out + i, v);
+    }
   }
   for (int64_t i = full; i < n; ++i) out[i] = narrow_value<T>(Codec<F>::decode(codes[i]) * scale);
 }
@@ -435,22 +465,12 @@ PAGEDKV_TARGET_AVX512 inline __m128i encode_int8_x16(__m512 y) {
   return _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r));
 }
 
-/// decode_e4m3 of 16 codes (as int32 lanes).
-PAGEDKV_TARGET_AVX512 inline __m512 decode_e4m3_x16(__m512i c) {
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
-  const __m512i normal = _mm512_or_si512(
-      sign, _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), 20),
-                             _mm512_set1_epi32(120 << 23)));
-  const __m512 sub_value =
-      _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(7))), _mm512_set1_ps(0x1p-9f));
-  const __m512i subnormal = _mm512_or_si512(sign, _mm512_castps_si512(sub_value));
-  const __mmask16 is_subnormal =
-      _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x78)), _mm512_setzero_si512());
-  __m512i bits = _mm512_mask_blend_epi32(is_subnormal, normal, subnormal);
-  bits = _mm512_mask_mov_epi32(
-      bits, _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7F)),
-      _mm512_set1_epi32(0x7FC00000));
-  return _mm512_castsi512_ps(bits);
+/// decode_e4m3_times_x8 on 16 codes.
+PAGEDKV_TARGET_AVX512 inline __m512 decode_e4m3_times_x16(const uint8_t* codes, __m512 scale_via_half) {
+  const __m512 scaled = attention_kernels::Avx512::load16(reinterpret_cast<const attention_kernels::E4m3Code*>(codes));
+  const __mmask16 is_nan = _mm512_cmp_ps_mask(_mm512_abs_ps(scaled), _mm512_set1_ps(kE4m3NanViaHalf), _CMP_EQ_OQ);
+  return _mm512_mask_mul_ps(_mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()), static_cast<__mmask16>(~is_nan),
+                            scaled, scale_via_half);
 }
 
 /// Codes of x / scale, scale > 0; x float32, fp16 or bf16, widened as it is loaded.
@@ -509,27 +529,49 @@ PAGEDKV_TARGET_AVX512 inline void store16(float* out, __m512 v) { _mm512_storeu_
 PAGEDKV_TARGET_AVX512 inline void store16(c10::Half* out, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-/// float_to_bf16 on 16 lanes.
-PAGEDKV_TARGET_AVX512 inline void store16(c10::BFloat16* out, __m512 v) {
+/// float_to_bf16 on 16 lanes: their bits.
+PAGEDKV_TARGET_AVX512 inline __m256i bf16_bits16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
   const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
                                                    _mm512_set1_epi32(0x7F800000));
   rounded = _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(rounded));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+PAGEDKV_TARGET_AVX512 inline void store16(c10::BFloat16* out, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), bf16_bits16(v));
+}
+
+/// store16 with a streaming (non-temporal) store; `out` aligned to the 16 elements' bytes.
+PAGEDKV_TARGET_AVX512 inline void stream16(float* out, __m512 v) { _mm512_stream_ps(out, v); }
+PAGEDKV_TARGET_AVX512 inline void stream16(c10::Half* out, __m512 v) {
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(out),
+                      _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+PAGEDKV_TARGET_AVX512 inline void stream16(c10::BFloat16* out, __m512 v) {
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(out), bf16_bits16(v));
 }
 
 /// out[i] = T(decode(codes[i]) * scale) in one pass (T = float: decode_row).
-template <KVFormat F, class T>
+/// kStream: streaming stores, for an `out` of whole 64-byte lines (streams_row).
+template <KVFormat F, class T, bool kStream = false>
 PAGEDKV_TARGET_AVX512 void dequantize_avx512(const typename Codec<F>::Code* codes, int64_t n, float scale, T* out) {
-  const __m512 s = _mm512_set1_ps(scale);
-  const int64_t full = n - n % 16;
+  const float vector_scale = F == KVFormat::fp8_e4m3 ? scale * attention_kernels::kE4m3ViaHalfFactor : scale;
+  const int64_t full = vector_scale_is_exact(scale, vector_scale) ? n - n % 16 : 0;
+  const __m512 s = _mm512_set1_ps(vector_scale);
   for (int64_t i = 0; i < full; i += 16) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
-    const __m512 v = F == KVFormat::int8 ? _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw))
-                                         : decode_e4m3_x16(_mm512_cvtepu8_epi32(raw));
-    store16(out + i, _mm512_mul_ps(v, s));
+    __m512 v;
+    if constexpr (F == KVFormat::int8) {
+      v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)))), s);
+    } else {
+      v = decode_e4m3_times_x16(codes + i, s);
+    }
+    if constexpr (kStream) {
+      stream16(out + i, v);
+    } else {
+      store16(out + i, v);
+    }
   }
   for (int64_t i = full; i < n; ++i) out[i] = narrow_value<T>(Codec<F>::decode(codes[i]) * scale);
 }
@@ -722,18 +764,37 @@ inline void narrow_row(Isa isa, const float* x, int64_t n, T* out) {  // x, out:
   }
 }
 
+/// Whether a row of n elements at `out` is whole 64-byte lines, which
+/// streaming stores can write without a partial line.
+template <class T>
+inline bool streams_row(const T* out, int64_t n) noexcept {
+  constexpr uintptr_t kLine = 64;
+  return ((reinterpret_cast<uintptr_t>(out) | static_cast<uintptr_t>(n) * sizeof(T)) & (kLine - 1)) == 0;
+}
+
 /// out[i] = T(decode(codes[i]) * scale): decode_row then narrow_row, bit
-/// for bit; the vector paths do it in one pass, the portable one through `buf`.
+/// for bit; the vector paths do it in one pass, the portable one through
+/// `buf`. `stream`: the vector paths write a row of whole 64-byte lines
+/// (streams_row) with streaming stores, which the caller orders with a
+/// fence (kernels::streaming_fence) before the output is read.
 template <KVFormat F, class T>
 inline void dequantize_row(Isa isa, const typename Codec<F>::Code* codes,  // [n]
                            int64_t n, float scale,
-                           T* out,       // [n]
-                           float* buf) {  // [n]
+                           T* out,      // [n]
+                           float* buf,  // [n]
+                           bool stream = false) {
+  const bool streamed = stream && streams_row(out, n);
 #ifdef PAGEDKV_ATTENTION_AVX512
-  if (isa == Isa::avx512) return dequantize_avx512<F>(codes, n, scale, out);
+  if (isa == Isa::avx512) {
+    return streamed ? dequantize_avx512<F, T, true>(codes, n, scale, out) : dequantize_avx512<F>(codes, n, scale, out);
+  }
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX2
-  if (isa == Isa::avx2) return dequantize_avx2<F>(codes, n, scale, out);
+  if (isa == Isa::avx2) {
+    return streamed ? dequantize_avx2<F, T, true>(codes, n, scale, out) : dequantize_avx2<F>(codes, n, scale, out);
+  }
+#else
+  (void)streamed;
 #endif
   decode_row<F>(isa, codes, n, scale, buf);
   narrow_row<T>(isa, buf, n, out);

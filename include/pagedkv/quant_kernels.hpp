@@ -132,22 +132,25 @@ void write_side_cpu(const PageTableRef<Index>& table,    // [B, max_pages]
 }
 
 /// Dequantizes `tokens` tokens of every head of a page into a contiguous
-/// token-major [tokens, H, D] output of T.
+/// token-major [tokens, H, D] output of T (`stream`: quant::dequantize_row's).
 template <KVFormat F, class T>
 void dequantize_block(attention_kernels::Isa isa, const typename quant::Codec<F>::Code* codes, const float* scales,
-                      const PageGeometry& g, int64_t tokens, T* out, float* buf /* [D] */) {
+                      const PageGeometry& g, int64_t tokens, T* out, float* buf /* [D] */, bool stream) {
   const int64_t D = g.head_dim;
   const PageGeometry sg = scale_geometry(g);
   for (int64_t t = 0; t < tokens; ++t) {
     for (int64_t h = 0; h < g.n_heads; ++h) {
       quant::dequantize_row<F>(isa, codes + g.offset(t, h), D, scales[sg.offset(t, h)],
-                               out + (t * g.n_heads + h) * D, buf);
+                               out + (t * g.n_heads + h) * D, buf, stream);
     }
   }
 }
 
 /// Reads positions [0, lengths[b]) of one side into a contiguous
 /// [B, T, H, D] output of T; positions past a length, and unmapped pages, are zeros.
+/// Streams its output where a native gather of the same K and V would
+/// (kernels::use_streaming_gather): the dequantizing gather writes twice
+/// the bytes it reads, and streaming saves the output's read for ownership.
 template <class T, class Index>
 void gather_side_cpu(const PageTableRef<Index>& table,     // [B, max_pages]
                      const std::vector<int64_t>& lengths,  // [B], each <= T
@@ -163,8 +166,10 @@ void gather_side_cpu(const PageTableRef<Index>& table,     // [B, max_pages]
   const attention_kernels::Isa isa = attention_kernels::selected_isa();
   const kernels::BlockStrides page_strides = kernels::page_strides(g, src.elem_size);
   const kernels::BlockStrides out_strides{token_elems * elem, g.head_dim * elem, elem};
-  at::parallel_for(0, table.rows * cols, kernels::grain_for(std::min(n_tokens, page_size) * token_elems * elem),
-                   [&](int64_t begin, int64_t end) {
+  const bool stream = kernels::use_streaming_gather(2 * table.rows * n_tokens * token_elems * elem);
+  kernels::parallel_copy(table.rows * cols, kernels::grain_for(std::min(n_tokens, page_size) * token_elems * elem),
+                   stream, [&](auto stream_tag, int64_t begin, int64_t end) {
+                     constexpr bool kStream = decltype(stream_tag)::value;
                      std::vector<float> buf(static_cast<size_t>(g.head_dim));
                      for (int64_t item = begin; item < end; ++item) {
                        const int64_t row = item / cols;
@@ -182,15 +187,15 @@ void gather_side_cpu(const PageTableRef<Index>& table,     // [B, max_pages]
                            case KVFormat::fp8_e4m3:
                              dequantize_block<KVFormat::fp8_e4m3>(
                                  isa, reinterpret_cast<const uint8_t*>(src.pages) + page * g.page_elems, scales, g, valid,
-                                 dst, buf.data());
+                                 dst, buf.data(), kStream);
                              break;
                            case KVFormat::int8:
                              dequantize_block<KVFormat::int8>(
                                  isa, reinterpret_cast<const int8_t*>(src.pages) + page * g.page_elems, scales, g, valid,
-                                 dst, buf.data());
+                                 dst, buf.data(), kStream);
                              break;
                            default:
-                             kernels::copy_block(reinterpret_cast<char*>(dst), out_strides,
+                             kernels::copy_block<kStream>(reinterpret_cast<char*>(dst), out_strides,
                                                  src.pages + page * g.page_elems * src.elem_size, page_strides,
                                                  kernels::BlockShape{valid, g.n_heads, g.head_dim, elem});
                              break;
