@@ -401,7 +401,8 @@ PAGEDKV_TARGET_AVX2 void dequantize_avx2(const typename Codec<F>::Code* codes, i
   for (int64_t i = 0; i < full; i += 8) {
     __m256 v;
     if constexpr (F == KVFormat::int8) {
-      v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)))), s);
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i));
+      v = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), s);
     } else {
       v = decode_e4m3_times_x8(codes + i, s);
     }
@@ -563,7 +564,8 @@ PAGEDKV_TARGET_AVX512 void dequantize_avx512(const typename Codec<F>::Code* code
   for (int64_t i = 0; i < full; i += 16) {
     __m512 v;
     if constexpr (F == KVFormat::int8) {
-      v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)))), s);
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i));
+      v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)), s);
     } else {
       v = decode_e4m3_times_x16(codes + i, s);
     }

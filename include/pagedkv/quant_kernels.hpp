@@ -167,43 +167,42 @@ void gather_side_cpu(const PageTableRef<Index>& table,     // [B, max_pages]
   const kernels::BlockStrides page_strides = kernels::page_strides(g, src.elem_size);
   const kernels::BlockStrides out_strides{token_elems * elem, g.head_dim * elem, elem};
   const bool stream = kernels::use_streaming_gather(2 * table.rows * n_tokens * token_elems * elem);
-  kernels::parallel_copy(table.rows * cols, kernels::grain_for(std::min(n_tokens, page_size) * token_elems * elem),
-                   stream, [&](auto stream_tag, int64_t begin, int64_t end) {
-                     constexpr bool kStream = decltype(stream_tag)::value;
-                     std::vector<float> buf(static_cast<size_t>(g.head_dim));
-                     for (int64_t item = begin; item < end; ++item) {
-                       const int64_t row = item / cols;
-                       const int64_t col = item % cols;
-                       const int64_t first = col * page_size;
-                       const int64_t last = std::min(first + page_size, n_tokens);
-                       int64_t valid_end = std::min(std::max(lengths[static_cast<size_t>(row)], first), last);
-                       const int64_t page = valid_end > first ? table(row, col) : kUnmappedPage;
-                       if (page == kUnmappedPage) valid_end = first;
-                       T* dst = out + (row * n_tokens + first) * token_elems;
-                       const int64_t valid = valid_end - first;
-                       if (valid > 0) {
-                         const float* scales = src.scales == nullptr ? nullptr : src.scales + page * page_size * g.n_heads;
-                         switch (src.format) {
-                           case KVFormat::fp8_e4m3:
-                             dequantize_block<KVFormat::fp8_e4m3>(
-                                 isa, reinterpret_cast<const uint8_t*>(src.pages) + page * g.page_elems, scales, g, valid,
-                                 dst, buf.data(), kStream);
-                             break;
-                           case KVFormat::int8:
-                             dequantize_block<KVFormat::int8>(
-                                 isa, reinterpret_cast<const int8_t*>(src.pages) + page * g.page_elems, scales, g, valid,
-                                 dst, buf.data(), kStream);
-                             break;
-                           default:
-                             kernels::copy_block<kStream>(reinterpret_cast<char*>(dst), out_strides,
-                                                 src.pages + page * g.page_elems * src.elem_size, page_strides,
-                                                 kernels::BlockShape{valid, g.n_heads, g.head_dim, elem});
-                             break;
-                         }
-                       }
-                       std::fill(dst + valid * token_elems, dst + (last - first) * token_elems, T(0));
-                     }
-                   });
+  const int64_t grain = kernels::grain_for(std::min(n_tokens, page_size) * token_elems * elem);
+  kernels::parallel_copy(table.rows * cols, grain, stream, [&](auto stream_tag, int64_t begin, int64_t end) {
+    constexpr bool kStream = decltype(stream_tag)::value;
+    std::vector<float> buf(static_cast<size_t>(g.head_dim));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t row = item / cols;
+      const int64_t col = item % cols;
+      const int64_t first = col * page_size;
+      const int64_t last = std::min(first + page_size, n_tokens);
+      int64_t valid_end = std::min(std::max(lengths[static_cast<size_t>(row)], first), last);
+      const int64_t page = valid_end > first ? table(row, col) : kUnmappedPage;
+      if (page == kUnmappedPage) valid_end = first;
+      T* dst = out + (row * n_tokens + first) * token_elems;
+      const int64_t valid = valid_end - first;
+      if (valid > 0) {
+        const float* scales = src.scales == nullptr ? nullptr : src.scales + page * page_size * g.n_heads;
+        switch (src.format) {
+          case KVFormat::fp8_e4m3:
+            dequantize_block<KVFormat::fp8_e4m3>(isa,
+                                                 reinterpret_cast<const uint8_t*>(src.pages) + page * g.page_elems,
+                                                 scales, g, valid, dst, buf.data(), kStream);
+            break;
+          case KVFormat::int8:
+            dequantize_block<KVFormat::int8>(isa, reinterpret_cast<const int8_t*>(src.pages) + page * g.page_elems,
+                                             scales, g, valid, dst, buf.data(), kStream);
+            break;
+          default:
+            kernels::copy_block<kStream>(reinterpret_cast<char*>(dst), out_strides,
+                                         src.pages + page * g.page_elems * src.elem_size, page_strides,
+                                         kernels::BlockShape{valid, g.n_heads, g.head_dim, elem});
+            break;
+        }
+      }
+      std::fill(dst + valid * token_elems, dst + (last - first) * token_elems, T(0));
+    }
+  });
 }
 
 // ---- device-agnostic (ATen) path ----

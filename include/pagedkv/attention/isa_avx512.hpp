@@ -234,8 +234,10 @@ struct Avx512 {
     }
     alignas(16) float sums[4];
     if constexpr (R == 4 && K == 4) {  // 16 scores at once; block r of sum16's result is row r
-      const __m512 all = sum16({acc[0][0], acc[0][1], acc[0][2], acc[0][3], acc[1][0], acc[1][1], acc[1][2], acc[1][3],
-                                acc[2][0], acc[2][1], acc[2][2], acc[2][3], acc[3][0], acc[3][1], acc[3][2], acc[3][3]});
+      const __m512 all = sum16({acc[0][0], acc[0][1], acc[0][2], acc[0][3],  //
+                                acc[1][0], acc[1][1], acc[1][2], acc[1][3],  //
+                                acc[2][0], acc[2][1], acc[2][2], acc[2][3],  //
+                                acc[3][0], acc[3][1], acc[3][2], acc[3][3]});
       _mm_storeu_ps(out, _mm512_castps512_ps128(all));
       _mm_storeu_ps(out + kKeyBlock, _mm512_extractf32x4_ps(all, 1));
       _mm_storeu_ps(out + 2 * kKeyBlock, _mm512_extractf32x4_ps(all, 2));
