@@ -300,6 +300,47 @@ struct LayerPages {
   BlockStrides strides;  ///< inside a page
 };
 
+/// Work items per sequence of a write of `n_tokens` tokens from `starts`:
+/// the pages the widest sequence's run touches (at most ceil(n/P) + 1, when
+/// it starts mid-page; exactly 1 for a decode step).
+inline int64_t write_items_per_row(const std::vector<int64_t>& starts, int64_t n_tokens, int64_t page_size) {
+  int64_t items_per_row = 1;
+  for (const int64_t start : starts) {
+    items_per_row = std::max(items_per_row, (start + n_tokens - 1) / page_size - start / page_size + 1);
+  }
+  return items_per_row;
+}
+
+/// What one write work item copies: `tokens` input tokens of sequence `row`
+/// from input token `token` on, into `page` from slot `in_page` on.
+struct WriteBlock {
+  int64_t row;      ///< the sequence
+  int64_t token;    ///< its first input token written (an index into S)
+  int64_t tokens;   ///< how many; 0 when the item writes nothing
+  int64_t page;     ///< the page written (looked up only when tokens > 0)
+  int64_t in_page;  ///< the slot of the first one in the page
+};
+
+/// The block of work item `item` of a write with `items_per_row` items per
+/// sequence (write_items_per_row; items run sequence-major).
+template <class Index>
+inline WriteBlock locate_write_block(const PageTableRef<Index>& table,    // [B, max_pages]
+                                     const std::vector<int64_t>& starts,  // [B]
+                                     int64_t n_tokens, int64_t page_size, int64_t items_per_row, int64_t item) {
+  WriteBlock b{};
+  b.row = item / items_per_row;
+  const int64_t start = starts[static_cast<size_t>(b.row)];
+  const int64_t col = start / page_size + item % items_per_row;
+  const int64_t first = std::max(col * page_size, start);
+  const int64_t last = std::min((col + 1) * page_size, start + n_tokens);
+  if (first >= last) return b;
+  b.token = first - start;
+  b.tokens = last - first;
+  b.page = table(b.row, col);
+  b.in_page = first - col * page_size;
+  return b;
+}
+
 /// Writes tokens [0, n_tokens) of every sequence b to logical positions
 /// starts[b] + s, through the page table.
 template <class Index>
@@ -309,35 +350,54 @@ void write_cpu(const PageTableRef<Index>& table,  // [B, max_pages]
                const PageGeometry& g, int64_t elem_size) {
   if (n_tokens == 0 || table.rows == 0) return;
   const int64_t page_size = g.page_size;
-  // Work items per row: the pages the widest row's run touches (at most
-  // ceil(n/P) + 1, when it starts mid-page; exactly 1 for a decode step).
-  int64_t items_per_row = 1;
-  for (const int64_t start : starts) {
-    items_per_row = std::max(items_per_row, (start + n_tokens - 1) / page_size - start / page_size + 1);
-  }
+  const int64_t items_per_row = write_items_per_row(starts, n_tokens, page_size);
   const int64_t token_bytes = g.n_heads * g.head_dim * elem_size;
   const int64_t bytes_per_item = 2 * std::min(n_tokens, page_size) * token_bytes;
   const bool stream = use_streaming_stores(2 * table.rows * n_tokens * token_bytes, dst.strides, g, elem_size);
   const auto run = [&](auto stream_tag, int64_t begin, int64_t end) {
     constexpr bool kStream = decltype(stream_tag)::value;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / items_per_row;
-      const int64_t start = starts[static_cast<size_t>(row)];
-      const int64_t col = start / page_size + item % items_per_row;
-      const int64_t first = std::max(col * page_size, start);
-      const int64_t last = std::min((col + 1) * page_size, start + n_tokens);
-      if (first >= last) continue;
-      const int64_t page = table(row, col);
-      const int64_t in_page = (first - col * page_size) * dst.strides.token;
-      const int64_t token = first - start;
-      const BlockShape shape{last - first, g.n_heads, g.head_dim, elem_size};
-      copy_block<kStream>(dst.k + page * dst.page_bytes + in_page, dst.strides,
-                          src.k + row * src.k_batch_stride + token * src.k_strides.token, src.k_strides, shape);
-      copy_block<kStream>(dst.v + page * dst.page_bytes + in_page, dst.strides,
-                          src.v + row * src.v_batch_stride + token * src.v_strides.token, src.v_strides, shape);
+      const WriteBlock b = locate_write_block(table, starts, n_tokens, page_size, items_per_row, item);
+      if (b.tokens == 0) continue;
+      const int64_t to = b.page * dst.page_bytes + b.in_page * dst.strides.token;
+      const BlockShape shape{b.tokens, g.n_heads, g.head_dim, elem_size};
+      copy_block<kStream>(dst.k + to, dst.strides, src.k + b.row * src.k_batch_stride + b.token * src.k_strides.token,
+                          src.k_strides, shape);
+      copy_block<kStream>(dst.v + to, dst.strides, src.v + b.row * src.v_batch_stride + b.token * src.v_strides.token,
+                          src.v_strides, shape);
     }
   };
   parallel_copy(table.rows * items_per_row, grain_for(bytes_per_item), stream, run);
+}
+
+/// What one gather work item (sequence `row`, page column `col`) copies:
+/// the block's positions [first, last) of the output; [first, valid_end)
+/// are read from `page`, the rest are zeros (past the sequence's length, or
+/// an unmapped page).
+struct GatherBlock {
+  int64_t row;        ///< the sequence
+  int64_t first;      ///< first position of the block (the page column's first)
+  int64_t last;       ///< one past its last: the column's end, or T
+  int64_t valid_end;  ///< end of the positions read from `page`
+  int64_t page;       ///< the page read; kUnmappedPage when none is
+};
+
+/// The block of work item `item` of a gather over `cols` page columns of
+/// every sequence (items run sequence-major).
+template <class Index>
+inline GatherBlock locate_gather_block(const PageTableRef<Index>& table,    // [B, max_pages]
+                                       const std::vector<int64_t>& lengths,  // [B], each <= T
+                                       int64_t n_tokens,                     // T
+                                       int64_t page_size, int64_t cols, int64_t item) {
+  GatherBlock b{};
+  b.row = item / cols;
+  const int64_t col = item % cols;
+  b.first = col * page_size;
+  b.last = std::min(b.first + page_size, n_tokens);
+  b.valid_end = std::min(std::max(lengths[static_cast<size_t>(b.row)], b.first), b.last);
+  b.page = b.valid_end > b.first ? static_cast<int64_t>(table(b.row, col)) : kUnmappedPage;
+  if (b.page == kUnmappedPage) b.valid_end = b.first;
+  return b;
 }
 
 /// Reads positions [0, lengths[b]) of every sequence into contiguous
@@ -357,23 +417,17 @@ void gather_cpu(const PageTableRef<Index>& table,    // [B, max_pages]
   const auto run = [&](auto stream_tag, int64_t begin, int64_t end) {
     constexpr bool kStream = decltype(stream_tag)::value;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / cols;
-      const int64_t col = item % cols;
-      const int64_t first = col * page_size;
-      const int64_t last = std::min(first + page_size, n_tokens);
-      int64_t valid_end = std::min(std::max(lengths[static_cast<size_t>(row)], first), last);
-      const int64_t page = valid_end > first ? table(row, col) : kUnmappedPage;
-      if (page == kUnmappedPage) valid_end = first;
-      char* k_out = dst.k + row * dst.k_batch_stride + first * token_bytes;
-      char* v_out = dst.v + row * dst.v_batch_stride + first * token_bytes;
-      if (valid_end > first) {
-        const BlockShape shape{valid_end - first, g.n_heads, g.head_dim, elem_size};
-        copy_block<kStream>(k_out, dst.k_strides, src.k + page * src.page_bytes, src.strides, shape);
-        copy_block<kStream>(v_out, dst.v_strides, src.v + page * src.page_bytes, src.strides, shape);
+      const GatherBlock b = locate_gather_block(table, lengths, n_tokens, page_size, cols, item);
+      char* k_out = dst.k + b.row * dst.k_batch_stride + b.first * token_bytes;
+      char* v_out = dst.v + b.row * dst.v_batch_stride + b.first * token_bytes;
+      if (b.valid_end > b.first) {
+        const BlockShape shape{b.valid_end - b.first, g.n_heads, g.head_dim, elem_size};
+        copy_block<kStream>(k_out, dst.k_strides, src.k + b.page * src.page_bytes, src.strides, shape);
+        copy_block<kStream>(v_out, dst.v_strides, src.v + b.page * src.page_bytes, src.strides, shape);
       }
-      const int64_t valid_bytes = (valid_end - first) * token_bytes;
-      zero_tokens(k_out + valid_bytes, last - valid_end, token_bytes);
-      zero_tokens(v_out + valid_bytes, last - valid_end, token_bytes);
+      const int64_t valid_bytes = (b.valid_end - b.first) * token_bytes;
+      zero_tokens(k_out + valid_bytes, b.last - b.valid_end, token_bytes);
+      zero_tokens(v_out + valid_bytes, b.last - b.valid_end, token_bytes);
     }
   };
   parallel_copy(table.rows * cols, grain_for(bytes_per_item), stream, run);

@@ -89,10 +89,7 @@ void write_side_cpu(const PageTableRef<Index>& table,    // [B, max_pages]
                     const PageGeometry& g) {
   if (n_tokens == 0 || table.rows == 0) return;
   const int64_t page_size = g.page_size;
-  int64_t items_per_row = 1;
-  for (const int64_t start : starts) {
-    items_per_row = std::max(items_per_row, (start + n_tokens - 1) / page_size - start / page_size + 1);
-  }
+  const int64_t items_per_row = kernels::write_items_per_row(starts, n_tokens, page_size);
   const int64_t token_bytes = g.n_heads * g.head_dim * static_cast<int64_t>(sizeof(T));
   const attention_kernels::Isa isa = attention_kernels::selected_isa();  // ScopedIsa is per thread
   const kernels::BlockStrides page_strides = kernels::page_strides(g, dst.elem_size);
@@ -100,31 +97,28 @@ void write_side_cpu(const PageTableRef<Index>& table,    // [B, max_pages]
                    kernels::grain_for(std::min(n_tokens, page_size) * token_bytes), [&](int64_t begin, int64_t end) {
                      std::vector<float> buf(static_cast<size_t>(g.head_dim));
                      for (int64_t item = begin; item < end; ++item) {
-                       const int64_t row = item / items_per_row;
-                       const int64_t start = starts[static_cast<size_t>(row)];
-                       const int64_t col = start / page_size + item % items_per_row;
-                       const int64_t first = std::max(col * page_size, start);
-                       const int64_t last = std::min((col + 1) * page_size, start + n_tokens);
-                       if (first >= last) continue;
-                       const int64_t page = table(row, col);
-                       const char* from = src.data + row * src.batch_stride + (first - start) * src.strides.token;
-                       const int64_t in_page = first - col * page_size;
+                       const kernels::WriteBlock b =
+                           kernels::locate_write_block(table, starts, n_tokens, page_size, items_per_row, item);
+                       if (b.tokens == 0) continue;
+                       const int64_t page = b.page;
+                       const int64_t in_page = b.in_page;
+                       const char* from = src.data + b.row * src.batch_stride + b.token * src.strides.token;
                        switch (dst.format) {
                          case KVFormat::fp8_e4m3:
                            quantize_block<KVFormat::fp8_e4m3, T>(
                                isa, from, src.strides, reinterpret_cast<uint8_t*>(dst.pages) + page * g.page_elems,
-                               dst.scales + page * g.page_size * g.n_heads, in_page, g, last - first, buf.data());
+                               dst.scales + page * g.page_size * g.n_heads, in_page, g, b.tokens, buf.data());
                            break;
                          case KVFormat::int8:
                            quantize_block<KVFormat::int8, T>(
                                isa, from, src.strides, reinterpret_cast<int8_t*>(dst.pages) + page * g.page_elems,
-                               dst.scales + page * g.page_size * g.n_heads, in_page, g, last - first, buf.data());
+                               dst.scales + page * g.page_size * g.n_heads, in_page, g, b.tokens, buf.data());
                            break;
                          default:
                            kernels::copy_block(
                                dst.pages + (page * g.page_elems + g.offset(in_page, 0)) * dst.elem_size,
                                page_strides, from, src.strides,
-                               kernels::BlockShape{last - first, g.n_heads, g.head_dim, dst.elem_size});
+                               kernels::BlockShape{b.tokens, g.n_heads, g.head_dim, dst.elem_size});
                            break;
                        }
                      }
@@ -172,15 +166,10 @@ void gather_side_cpu(const PageTableRef<Index>& table,     // [B, max_pages]
     constexpr bool kStream = decltype(stream_tag)::value;
     std::vector<float> buf(static_cast<size_t>(g.head_dim));
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / cols;
-      const int64_t col = item % cols;
-      const int64_t first = col * page_size;
-      const int64_t last = std::min(first + page_size, n_tokens);
-      int64_t valid_end = std::min(std::max(lengths[static_cast<size_t>(row)], first), last);
-      const int64_t page = valid_end > first ? table(row, col) : kUnmappedPage;
-      if (page == kUnmappedPage) valid_end = first;
-      T* dst = out + (row * n_tokens + first) * token_elems;
-      const int64_t valid = valid_end - first;
+      const kernels::GatherBlock b = kernels::locate_gather_block(table, lengths, n_tokens, page_size, cols, item);
+      const int64_t page = b.page;
+      T* dst = out + (b.row * n_tokens + b.first) * token_elems;
+      const int64_t valid = b.valid_end - b.first;
       if (valid > 0) {
         const float* scales = src.scales == nullptr ? nullptr : src.scales + page * page_size * g.n_heads;
         switch (src.format) {
@@ -200,7 +189,7 @@ void gather_side_cpu(const PageTableRef<Index>& table,     // [B, max_pages]
             break;
         }
       }
-      std::fill(dst + valid * token_elems, dst + (last - first) * token_elems, T(0));
+      std::fill(dst + valid * token_elems, dst + (b.last - b.first) * token_elems, T(0));
     }
   });
 }
