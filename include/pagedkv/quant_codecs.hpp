@@ -419,51 +419,67 @@ PAGEDKV_TARGET_AVX2 void dequantize_avx2(const typename Codec<F>::Code* codes, i
 // AVX-512: the scalar functions' arithmetic spelled in intrinsics, 16
 // elements at a time (g++ 12 does not vectorise the scalar loops: it gives
 // up on their mixed 8/32-bit types). Same operations, same order, except
-// where encode_e4m3_x16 says otherwise: the tests check every fp16 input
+// where the encoders say otherwise: the tests check every fp16 input
 // and 10^7 random floats bit for bit.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
-/// encode_e4m3 of 16 values y: the scalar function's result, in fewer
-/// operations (the encoder is bound by the two vector ports here): a NaN
-/// lane is zeroed at the start (the scalar function's magnitude 0), a
-/// subnormal code is |y| + 2^14 rounded at 2^14's ulp, 2^-9 (the same
-/// round to nearest even as the scalar m x 512 + 1.5 x 2^23), saturation
-/// is an unsigned min (every magnitude >= 448, infinity too, rounds to
-/// 0x7E or more; nothing below 448 rounds above 0x7E), and one ternary
-/// logic op sets the sign.
-PAGEDKV_TARGET_AVX512 inline __m128i encode_e4m3_x16(__m512 y) {
-  const __m512i bits = _mm512_castps_si512(y);
-  const __mmask16 is_number = _mm512_cmp_ps_mask(y, y, _CMP_ORD_Q);
-  const __m512i abs_bits = _mm512_maskz_and_epi32(is_number, bits, _mm512_set1_epi32(0x7FFFFFFF));
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(abs_bits, 20), _mm512_set1_epi32(1));
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(abs_bits, _mm512_set1_epi32(0x7FFFF)), lsb), 20);
-  const __m512i normal = _mm512_sub_epi32(rounded, _mm512_set1_epi32(120 << 3));
-  const __m512 small = _mm512_min_ps(_mm512_castsi512_ps(abs_bits), _mm512_set1_ps(0x1p-6f));
-  const __m512i subnormal = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(small, _mm512_set1_ps(0x1p14f))),
-                                             _mm512_set1_epi32(0x46800000));  // the bits of 2^14
-  // On non-negative bits, integer order is float order.
-  const __mmask16 is_subnormal = _mm512_cmplt_epi32_mask(abs_bits, _mm512_set1_epi32(0x3C800000));  // < 2^-6
-  const __m512i magnitude =
-      _mm512_min_epu32(_mm512_mask_blend_epi32(is_subnormal, normal, subnormal), _mm512_set1_epi32(0x7E));
-  // (sign_bits & 0x80) | magnitude; 0xEA is (A & B) | C.
+/// encode_e4m3_x16 takes y x 2^8: a normal code's value (2^-6 .. 448) then
+/// has a float exponent field of 129 .. 143, whose low four bits are the
+/// code's exponent field, so the code is the low byte of the float's bits
+/// >> 20 once it is rounded to four significant bits.
+constexpr float kE4m3EncodeFactor = 256.0f;
+
+/// Whether encode_avx512 may divide by scale / kE4m3EncodeFactor: when that
+/// is a normal float, the quotient is exactly 2^8 x (x / scale) rounded
+/// (a subnormal one would not be; such a row, of a scale below 2^-118,
+/// from float32 or bf16 rows whose largest magnitude is below ~1.3e-33, takes
+/// the scalar loop).
+inline bool e4m3_divisor_is_exact(float scale) noexcept { return scale >= 0x1p-118f; }
+
+/// encode_e4m3 of 16 values y, given as y x 2^8 (kE4m3EncodeFactor): the
+/// scalar function's result, in fewer operations (the encoder is bound by
+/// the two vector ports here). Checked against encode_e4m3 on all 2^32
+/// floats (bench/NOTES.md); the tests check every fp16 input and 10^7
+/// random floats.
+/// - A NaN lane is zeroed at the start (the scalar function's magnitude 0).
+/// - Saturation is a min at 448 x 2^8 before rounding (rounding is monotonic
+///   and 448 a code; infinity too).
+/// - A normal code: the magnitude rounded to four significant bits, to
+///   nearest even, by Veltkamp's splitting (c = a x (2^20 + 1); a rounded is
+///   c - (c - a)); the code is the low byte of its bits >> 20.
+/// - A subnormal code (|y| < 2^-6): |y| x 2^8 + 2^22 rounded at 2^22's ulp,
+///   2^-1 (2^-9 before the scaling: the scalar m x 512 + 1.5 x 2^23).
+/// - One ternary logic op sets the sign.
+PAGEDKV_TARGET_AVX512 inline __m128i encode_e4m3_x16(__m512 y_times_256) {
+  const __m512i bits = _mm512_castps_si512(y_times_256);
+  const __mmask16 is_number = _mm512_cmp_ps_mask(y_times_256, y_times_256, _CMP_ORD_Q);
+  const __m512 a = _mm512_castsi512_ps(_mm512_maskz_and_epi32(is_number, bits, _mm512_set1_epi32(0x7FFFFFFF)));
+  const __m512 saturated = _mm512_min_ps(a, _mm512_set1_ps(kFp8Max * kE4m3EncodeFactor));
+  const __m512 split = _mm512_fmadd_ps(saturated, _mm512_set1_ps(0x1p20f), saturated);
+  const __m512 rounded = _mm512_sub_ps(split, _mm512_sub_ps(split, saturated));
+  __m512i magnitude = _mm512_srli_epi32(_mm512_castps_si512(rounded), 20);
+  const __mmask16 is_subnormal = _mm512_cmp_ps_mask(saturated, _mm512_set1_ps(0x1p-6f * kE4m3EncodeFactor), _CMP_LT_OQ);
+  magnitude = _mm512_mask_sub_epi32(magnitude, is_subnormal,
+                                    _mm512_castps_si512(_mm512_add_ps(saturated, _mm512_set1_ps(0x1p22f))),
+                                    _mm512_set1_epi32(0x4A800000));  // the bits of 2^22
+  // (sign_bits & 0x80) | magnitude; 0xEA is (A & B) | C. The byte
+  // conversion keeps the low byte.
   const __m512i code =
       _mm512_ternarylogic_epi32(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), magnitude, 0xEA);
   return _mm512_cvtepi32_epi8(code);
 }
 
-/// encode_int8 of 16 values y.
+/// encode_int8 of 16 values y: clamped to [-127, 127] (min / max return y
+/// when it is NaN, as their operands are ordered here), converted with
+/// round to nearest even; a NaN converts to 0x80000000, whose low byte,
+/// the one the byte conversion keeps, is 0.
 PAGEDKV_TARGET_AVX512 inline __m128i encode_int8_x16(__m512 y) {
-  __m512 r = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(y, _mm512_set1_ps(kInt8Max), _CMP_GT_OQ),
-                                _mm512_set1_ps(kInt8Max));
-  r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(r, _mm512_set1_ps(-kInt8Max), _CMP_LT_OQ), _mm512_set1_ps(-kInt8Max));
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  r = _mm512_sub_ps(_mm512_add_ps(r, magic), magic);
-  r = _mm512_mask_mov_ps(r, _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q), _mm512_setzero_ps());
-  return _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r));
+  const __m512 clamped =
+      _mm512_max_ps(_mm512_set1_ps(-kInt8Max), _mm512_min_ps(_mm512_set1_ps(kInt8Max), y));
+  return _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 /// decode_e4m3_times_x8 on 16 codes.
@@ -475,10 +491,12 @@ PAGEDKV_TARGET_AVX512 inline __m512 decode_e4m3_times_x16(const uint8_t* codes, 
 }
 
 /// Codes of x / scale, scale > 0; x float32, fp16 or bf16, widened as it is loaded.
+/// fp8 divides by scale / 2^8 (e4m3_divisor_is_exact), for encode_e4m3_x16.
 template <KVFormat F, class T>
 PAGEDKV_TARGET_AVX512 void encode_avx512(const T* x, int64_t n, float scale, typename Codec<F>::Code* out) {
-  const __m512 s = _mm512_set1_ps(scale);
-  const int64_t full = n - n % 16;
+  constexpr bool kFp8 = F == KVFormat::fp8_e4m3;
+  const __m512 s = _mm512_set1_ps(kFp8 ? scale / kE4m3EncodeFactor : scale);
+  const int64_t full = !kFp8 || e4m3_divisor_is_exact(scale) ? n - n % 16 : 0;
   for (int64_t i = 0; i < full; i += 16) {
     const __m512 y = _mm512_div_ps(attention_kernels::Avx512::load16(x + i), s);
     const __m128i codes = F == KVFormat::int8 ? encode_int8_x16(y) : encode_e4m3_x16(y);

@@ -1,0 +1,104 @@
+// Checks the AVX-512 encoders (quant::encode_e4m3_x16, encode_int8_x16)
+// against the scalar ones (encode_e4m3, encode_int8) on every one of the
+// 2^32 float32 bit patterns: a proof by exhaustion that the vector encoders
+// compute the scalar functions. The unit tests check every fp16 input and
+// 10^7 random floats on each run; this takes ~30 s of CPU, so it runs by
+// hand, after a change to either encoder. Not part of the build;
+// bench/NOTES.md quotes it.
+//
+// Build (from the repository root):
+//   g++ -std=c++17 -O2 -pthread -Iinclude -isystem /usr/include/torch/csrc/api/include
+//       bench/tools/encoder_exhaustive.cpp -o /tmp/encoder_exhaustive
+// Run:   /tmp/encoder_exhaustive [threads]     (default 2; exit status 1 on any mismatch)
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "pagedkv/quant_codecs.hpp"
+
+#ifndef PAGEDKV_ATTENTION_AVX512
+int main() {
+  std::puts("encoder_exhaustive: this build has no AVX-512 path");
+  return 0;
+}
+#else
+namespace quant = pagedkv::quant;
+
+namespace {
+
+std::atomic<int64_t> fp8_mismatches{0};
+std::atomic<int64_t> int8_mismatches{0};
+std::atomic<int64_t> done{0};
+
+/// Checks the bit patterns [first, last), 16 at a time. The fp8 encoder
+/// takes y x 2^8 (quant::kE4m3EncodeFactor), as encode_avx512 hands it over.
+PAGEDKV_TARGET_AVX512 void check_range(uint64_t first, uint64_t last) {
+  alignas(64) float y[16];
+  alignas(16) uint8_t fp8[16];
+  alignas(16) int8_t int8[16];
+  int64_t fp8_bad = 0, int8_bad = 0;
+  for (uint64_t base = first; base < last; base += 16) {
+    for (int l = 0; l < 16; ++l) {
+      const auto bits = static_cast<uint32_t>(base + static_cast<uint64_t>(l));
+      std::memcpy(&y[l], &bits, sizeof(bits));
+    }
+    const __m512 v = _mm512_load_ps(y);
+    _mm_store_si128(reinterpret_cast<__m128i*>(fp8),
+                    quant::encode_e4m3_x16(_mm512_mul_ps(v, _mm512_set1_ps(quant::kE4m3EncodeFactor))));
+    _mm_store_si128(reinterpret_cast<__m128i*>(int8), quant::encode_int8_x16(v));
+    for (int l = 0; l < 16; ++l) {
+      if (fp8[l] != quant::encode_e4m3(y[l]) && fp8_bad++ < 4) {
+        std::printf("fp8 mismatch: y = %a, vector 0x%02x, scalar 0x%02x\n", static_cast<double>(y[l]), fp8[l],
+                    quant::encode_e4m3(y[l]));
+      }
+      if (int8[l] != quant::encode_int8(y[l]) && int8_bad++ < 4) {
+        std::printf("int8 mismatch: y = %a, vector %d, scalar %d\n", static_cast<double>(y[l]), int8[l],
+                    quant::encode_int8(y[l]));
+      }
+    }
+    if ((base & 0xFFFFFFu) == 0) done += 1 << 24;
+  }
+  fp8_mismatches += fp8_bad;
+  int8_mismatches += int8_bad;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc > 1 && (std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h")) {
+    std::puts("usage: encoder_exhaustive [threads]\nChecks the AVX-512 fp8 and int8 encoders against the scalar ones"
+              " on all 2^32 float32 values.");
+    return 0;
+  }
+  if (!pagedkv::attention_kernels::cpu_has_avx512()) {
+    std::puts("encoder_exhaustive: this CPU has no AVX-512F; nothing to check");
+    return 0;
+  }
+  const int threads = argc > 1 ? std::max(1, std::atoi(argv[1])) : 2;
+  const uint64_t total = uint64_t{1} << 32;
+  const uint64_t per_thread = total / static_cast<uint64_t>(threads) / 16 * 16;
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    const uint64_t first = per_thread * static_cast<uint64_t>(t);
+    pool.emplace_back(check_range, first, t + 1 == threads ? total : first + per_thread);
+  }
+  for (int64_t seen = 0; seen < static_cast<int64_t>(total);) {
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    seen = done.load();
+    std::printf("encoder_exhaustive: %3.0f%% of the bit patterns\n", 100.0 * static_cast<double>(seen) / 4294967296.0);
+    std::fflush(stdout);
+  }
+  for (auto& t : pool) t.join();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("encoder_exhaustive: all 2^32 floats in %.1f s: %lld fp8 and %lld int8 mismatches\n", seconds,
+              static_cast<long long>(fp8_mismatches.load()), static_cast<long long>(int8_mismatches.load()));
+  return fp8_mismatches.load() == 0 && int8_mismatches.load() == 0 ? 0 : 1;
+}
+#endif
