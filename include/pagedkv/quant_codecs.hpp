@@ -253,40 +253,49 @@ PAGEDKV_TARGET_AVX2 inline __m128i narrow_epi32_epi8_x8(__m256i v) {
   return _mm_packus_epi16(words, words);
 }
 
-/// encode_e4m3 of 8 values y, as int32 lanes in [0, 255].
-PAGEDKV_TARGET_AVX2 inline __m256i encode_e4m3_x8(__m256 y) {
-  const __m256i bits = _mm256_castps_si256(y);
+/// encode_e4m3_x8 and encode_e4m3_x16 take y x 2^8: a normal code's value
+/// (2^-6 .. 448) then has a float exponent field of 129 .. 143, whose low
+/// four bits are the code's exponent field, so the code's magnitude is the
+/// low seven bits of the float's bits >> 20 once it is rounded to four
+/// significant bits.
+constexpr float kE4m3EncodeFactor = 256.0f;
+
+/// Whether the vector encoders may divide by scale / kE4m3EncodeFactor:
+/// when that is a normal float, the quotient is exactly 2^8 x (x / scale)
+/// rounded (a subnormal one would not be; such a row, of a scale below
+/// 2^-118, from float32 or bf16 rows whose largest magnitude is below
+/// ~1.3e-33, takes the scalar loop).
+inline bool e4m3_divisor_is_exact(float scale) noexcept { return scale >= 0x1p-118f; }
+
+/// encode_e4m3 of 8 values y, given as y x 2^8 (kE4m3EncodeFactor), as
+/// int32 lanes in [0, 255]: the arithmetic of encode_e4m3_x16 (which says
+/// why it is the scalar function's), with AVX2's blends and no masks.
+PAGEDKV_TARGET_AVX2 inline __m256i encode_e4m3_x8(__m256 y_times_256) {
+  const __m256i bits = _mm256_castps_si256(y_times_256);
+  const __m256 is_nan = _mm256_cmp_ps(y_times_256, y_times_256, _CMP_UNORD_Q);
+  const __m256 magnitude_bits = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 a = _mm256_andnot_ps(is_nan, _mm256_and_ps(y_times_256, magnitude_bits));
+  const __m256 saturated = _mm256_min_ps(a, _mm256_set1_ps(kFp8Max * kE4m3EncodeFactor));
+  const __m256 split = _mm256_fmadd_ps(saturated, _mm256_set1_ps(0x1p20f), saturated);
+  const __m256 rounded = _mm256_sub_ps(split, _mm256_sub_ps(split, saturated));
+  const __m256i normal =
+      _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(rounded), 20), _mm256_set1_epi32(0x7F));
+  const __m256i subnormal = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(saturated, _mm256_set1_ps(0x1p22f))),
+                                             _mm256_set1_epi32(0x4A800000));  // the bits of 2^22
+  const __m256 is_subnormal = _mm256_cmp_ps(saturated, _mm256_set1_ps(0x1p-6f * kE4m3EncodeFactor), _CMP_LT_OQ);
+  const __m256i magnitude = _mm256_castps_si256(
+      _mm256_blendv_ps(_mm256_castsi256_ps(normal), _mm256_castsi256_ps(subnormal), is_subnormal));
   const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
-  const __m256i abs_bits = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(abs_bits, 20), _mm256_set1_epi32(1));
-  const __m256i rounded =
-      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(abs_bits, _mm256_set1_epi32(0x7FFFF)), lsb), 20);
-  const __m256i normal = _mm256_sub_epi32(rounded, _mm256_set1_epi32(120 << 3));
-  // min_ps returns its second operand for a NaN, as `a < c ? a : c` does.
-  const __m256 small = _mm256_min_ps(_mm256_castsi256_ps(abs_bits), _mm256_set1_ps(0x1p-6f));
-  const __m256 magic = _mm256_set1_ps(12582912.0f);
-  const __m256i subnormal =
-      _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(small, _mm256_set1_ps(512.0f)), magic), magic));
-  // On non-negative bits, signed integer order is float order (NaN above +inf).
-  const __m256i is_subnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3C800000), abs_bits);  // < 2^-6
-  __m256i magnitude = _mm256_blendv_epi8(normal, subnormal, is_subnormal);
-  const __m256i saturates = _mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x43E00000 - 1));  // >= 448
-  magnitude = _mm256_blendv_epi8(magnitude, _mm256_set1_epi32(0x7E), saturates);
-  const __m256i is_nan = _mm256_cmpgt_epi32(abs_bits, _mm256_set1_epi32(0x7F800000));
-  magnitude = _mm256_andnot_si256(is_nan, magnitude);  // NaN: magnitude 0
   return _mm256_or_si256(sign, magnitude);
 }
 
-/// encode_int8 of 8 values y, as int32 lanes in [-127, 127].
+/// encode_int8 of 8 values y, as int32 lanes in [-127, 127]: clamped with
+/// min / max (ordered so that a NaN passes through), NaN lanes zeroed, then
+/// converted in the default rounding mode, to nearest even (that of
+/// round_half_even too).
 PAGEDKV_TARGET_AVX2 inline __m256i encode_int8_x8(__m256 y) {
-  const __m256 hi = _mm256_set1_ps(kInt8Max);
-  const __m256 lo = _mm256_set1_ps(-kInt8Max);
-  __m256 r = _mm256_blendv_ps(y, hi, _mm256_cmp_ps(y, hi, _CMP_GT_OQ));
-  r = _mm256_blendv_ps(r, lo, _mm256_cmp_ps(r, lo, _CMP_LT_OQ));
-  const __m256 magic = _mm256_set1_ps(12582912.0f);
-  r = _mm256_sub_ps(_mm256_add_ps(r, magic), magic);
-  r = _mm256_andnot_ps(_mm256_cmp_ps(r, r, _CMP_UNORD_Q), r);  // NaN: +0
-  return _mm256_cvttps_epi32(r);
+  const __m256 clamped = _mm256_max_ps(_mm256_set1_ps(-kInt8Max), _mm256_min_ps(_mm256_set1_ps(kInt8Max), y));
+  return _mm256_cvtps_epi32(_mm256_andnot_ps(_mm256_cmp_ps(clamped, clamped, _CMP_UNORD_Q), clamped));
 }
 
 /// What the NaN codes 0x7F / 0xFF read as through fp16 (Avx2::load8,
@@ -314,13 +323,15 @@ PAGEDKV_TARGET_AVX2 inline __m256 decode_e4m3_times_x8(const uint8_t* codes, __m
                           _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), is_nan);
 }
 
-/// Codes of x / scale, scale > 0; x float32, fp16 or bf16, widened as it is loaded.
+/// Codes of x / scale, scale > 0; x float32, fp16 or bf16, widened as it
+/// is loaded. fp8 divides by scale / 2^8 (e4m3_divisor_is_exact), for encode_e4m3_x8.
 template <KVFormat F, class T>
 PAGEDKV_TARGET_AVX2 void encode_avx2(const T* x,  // [n]
                                      int64_t n, float scale,
                                      typename Codec<F>::Code* out) {  // [n]
-  const __m256 s = _mm256_set1_ps(scale);
-  const int64_t full = n - n % 8;
+  constexpr bool kFp8 = F == KVFormat::fp8_e4m3;
+  const __m256 s = _mm256_set1_ps(kFp8 ? scale / kE4m3EncodeFactor : scale);
+  const int64_t full = !kFp8 || e4m3_divisor_is_exact(scale) ? n - n % 8 : 0;
   for (int64_t i = 0; i < full; i += 8) {
     const __m256 y = _mm256_div_ps(attention_kernels::Avx2::load8(x + i), s);
     const __m128i codes = F == KVFormat::int8 ? narrow_epi32_epi8_x8<true>(encode_int8_x8(y))
@@ -426,19 +437,6 @@ PAGEDKV_TARGET_AVX2 void dequantize_avx2(const typename Codec<F>::Code* codes, i
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
-/// encode_e4m3_x16 takes y x 2^8: a normal code's value (2^-6 .. 448) then
-/// has a float exponent field of 129 .. 143, whose low four bits are the
-/// code's exponent field, so the code is the low byte of the float's bits
-/// >> 20 once it is rounded to four significant bits.
-constexpr float kE4m3EncodeFactor = 256.0f;
-
-/// Whether encode_avx512 may divide by scale / kE4m3EncodeFactor: when that
-/// is a normal float, the quotient is exactly 2^8 x (x / scale) rounded
-/// (a subnormal one would not be; such a row, of a scale below 2^-118,
-/// from float32 or bf16 rows whose largest magnitude is below ~1.3e-33, takes
-/// the scalar loop).
-inline bool e4m3_divisor_is_exact(float scale) noexcept { return scale >= 0x1p-118f; }
-
 /// encode_e4m3 of 16 values y, given as y x 2^8 (kE4m3EncodeFactor): the
 /// scalar function's result, in fewer operations (the encoder is bound by
 /// the two vector ports here). Checked against encode_e4m3 on all 2^32
@@ -461,7 +459,8 @@ PAGEDKV_TARGET_AVX512 inline __m128i encode_e4m3_x16(__m512 y_times_256) {
   const __m512 split = _mm512_fmadd_ps(saturated, _mm512_set1_ps(0x1p20f), saturated);
   const __m512 rounded = _mm512_sub_ps(split, _mm512_sub_ps(split, saturated));
   __m512i magnitude = _mm512_srli_epi32(_mm512_castps_si512(rounded), 20);
-  const __mmask16 is_subnormal = _mm512_cmp_ps_mask(saturated, _mm512_set1_ps(0x1p-6f * kE4m3EncodeFactor), _CMP_LT_OQ);
+  const __mmask16 is_subnormal =
+      _mm512_cmp_ps_mask(saturated, _mm512_set1_ps(0x1p-6f * kE4m3EncodeFactor), _CMP_LT_OQ);
   magnitude = _mm512_mask_sub_epi32(magnitude, is_subnormal,
                                     _mm512_castps_si512(_mm512_add_ps(saturated, _mm512_set1_ps(0x1p22f))),
                                     _mm512_set1_epi32(0x4A800000));  // the bits of 2^22
