@@ -201,9 +201,10 @@ TEST(VectorPaths, BitIdenticalOnEveryFp16Input) {
   }
 }
 
-// fp8's AVX-512 encoder divides by scale / 2^8, exact only for scales of
-// 2^-118 and up (quant::e4m3_divisor_is_exact); below, its rows take the
-// scalar loop. Inputs scaled down with the scales, so the codes still vary.
+// fp8's vector encoders (AVX-512 and AVX2) divide by scale / 2^8, exact
+// only for scales of 2^-118 and up (quant::e4m3_divisor_is_exact); below,
+// their rows take the scalar loop. Inputs scaled down with the scales, so
+// the codes still vary.
 TEST(VectorPaths, BitIdenticalAtScalesNearTwoToTheMinus118) {
   std::vector<float> x = every_fp16();
   for (float& v : x) v *= 0x1p-120f;
