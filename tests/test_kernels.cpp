@@ -2,6 +2,7 @@
 // same bytes whatever the strides; layouts resolve into the right strides.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -60,6 +61,27 @@ TEST(PageGeometry, LayoutsResolveToStrides) {
   EXPECT_EQ(hnd.head_stride, 16 * 128);
   EXPECT_EQ(hnd.page_elems, 16 * 8 * 128);
   EXPECT_EQ(pagedkv::HND::page_shape(16, 8, 128), (std::array<int64_t, 3>{8, 16, 128}));
+}
+
+// Writes and their checks split positions with PageDivisor: a shift and a
+// mask for power-of-two page sizes, a division otherwise. Both must agree
+// with / and % for every page size, up to positions near INT64_MAX.
+TEST(PageDivisor, AgreesWithDivisionForEveryPageSize) {
+  std::vector<int64_t> sizes;
+  for (int64_t p = 1; p <= 70; ++p) sizes.push_back(p);
+  for (const int shift : {10, 20, 40, 62}) sizes.insert(sizes.end(), {int64_t{1} << shift, (int64_t{1} << shift) + 1});
+  std::vector<int64_t> positions;
+  for (int64_t pos = 0; pos < 300; ++pos) positions.push_back(pos);
+  for (int64_t back = 0; back < 300; ++back) positions.push_back(std::numeric_limits<int64_t>::max() - back);
+  for (const int shift : {31, 32, 33, 62}) positions.push_back(int64_t{1} << shift);
+  for (const int64_t page_size : sizes) {
+    const pagedkv::PageDivisor pages(page_size);
+    EXPECT_EQ(pages.page_size(), page_size);
+    for (const int64_t pos : positions) {
+      ASSERT_EQ(pages.column(pos), pos / page_size) << "page_size " << page_size << " position " << pos;
+      ASSERT_EQ(pages.slot(pos), pos % page_size) << "page_size " << page_size << " position " << pos;
+    }
+  }
 }
 
 // ctest lists every device-parametrised test by the name gtest prints for

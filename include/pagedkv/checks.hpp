@@ -160,9 +160,9 @@ void write_range(const Caller& caller, const PageTableRef<Index>& table, int64_t
                     " expected to end within the page table's ", table.cols, " columns (", capacity,
                     " tokens), got last position ", static_cast<uint64_t>(start) + static_cast<uint64_t>(n - 1),
                     " (a write past the last column)");
-  for (int64_t col = start / page_size; col <= (start + n - 1) / page_size; ++col) {
-    page_allocated(caller, table, row, col, pool);
-  }
+  const PageDivisor pages(page_size);
+  const int64_t last_col = pages.column(start + n - 1);
+  for (int64_t col = pages.column(start); col <= last_col; ++col) page_allocated(caller, table, row, col, pool);
 }
 
 /// Number of leading columns that map a page in at least one row (the

@@ -291,6 +291,20 @@ TokenMajorKv<Byte> token_major(Byte* k_data, const at::Tensor& k, Byte* v_data, 
   return {k_data, v_data, k.stride(0) * es, v.stride(0) * es, token_major_strides(k), token_major_strides(v)};
 }
 
+/// Layer `layer` of a cache tensor [n_layers, ...] as raw bytes. CPU kernels
+/// take this rather than select(0, layer): on libtorch 1.13 a select costs
+/// about 1 us (a dispatch and an autograd view), a sixth of a 32-token decode
+/// write (bench/NOTES.md, "Fixed costs of small writes").
+inline char* layer_bytes(const at::Tensor& storage, int64_t layer) {
+  const auto elem_size = static_cast<int64_t>(storage.element_size());
+  return static_cast<char*>(storage.data_ptr()) + layer * storage.stride(0) * elem_size;
+}
+
+/// layer_bytes of a float32 tensor, as floats (a quantized side's scales).
+inline float* layer_floats(const at::Tensor& storage, int64_t layer) {
+  return static_cast<float*>(storage.data_ptr()) + layer * storage.stride(0);
+}
+
 /// One layer of the cache's pages as raw bytes: [n_pages, <page>] for k and v.
 template <class Byte>
 struct LayerPages {
@@ -303,10 +317,10 @@ struct LayerPages {
 /// Work items per sequence of a write of `n_tokens` tokens from `starts`:
 /// the pages the widest sequence's run touches (at most ceil(n/P) + 1, when
 /// it starts mid-page; exactly 1 for a decode step).
-inline int64_t write_items_per_row(const std::vector<int64_t>& starts, int64_t n_tokens, int64_t page_size) {
+inline int64_t write_items_per_row(const std::vector<int64_t>& starts, int64_t n_tokens, const PageDivisor& pages) {
   int64_t items_per_row = 1;
   for (const int64_t start : starts) {
-    items_per_row = std::max(items_per_row, (start + n_tokens - 1) / page_size - start / page_size + 1);
+    items_per_row = std::max(items_per_row, pages.column(start + n_tokens - 1) - pages.column(start) + 1);
   }
   return items_per_row;
 }
@@ -326,11 +340,13 @@ struct WriteBlock {
 template <class Index>
 inline WriteBlock locate_write_block(const PageTableRef<Index>& table,    // [B, max_pages]
                                      const std::vector<int64_t>& starts,  // [B]
-                                     int64_t n_tokens, int64_t page_size, int64_t items_per_row, int64_t item) {
+                                     int64_t n_tokens, const PageDivisor& pages, int64_t items_per_row,
+                                     int64_t item) {
   WriteBlock b{};
-  b.row = item / items_per_row;
+  b.row = items_per_row == 1 ? item : item / items_per_row;  // a decode step divides nothing
   const int64_t start = starts[static_cast<size_t>(b.row)];
-  const int64_t col = start / page_size + item % items_per_row;
+  const int64_t page_size = pages.page_size();
+  const int64_t col = pages.column(start) + (item - b.row * items_per_row);
   const int64_t first = std::max(col * page_size, start);
   const int64_t last = std::min((col + 1) * page_size, start + n_tokens);
   if (first >= last) return b;
@@ -349,15 +365,15 @@ void write_cpu(const PageTableRef<Index>& table,  // [B, max_pages]
                int64_t n_tokens, const TokenMajorKv<const char>& src, const LayerPages<char>& dst,
                const PageGeometry& g, int64_t elem_size) {
   if (n_tokens == 0 || table.rows == 0) return;
-  const int64_t page_size = g.page_size;
-  const int64_t items_per_row = write_items_per_row(starts, n_tokens, page_size);
+  const PageDivisor pages(g.page_size);
+  const int64_t items_per_row = write_items_per_row(starts, n_tokens, pages);
   const int64_t token_bytes = g.n_heads * g.head_dim * elem_size;
-  const int64_t bytes_per_item = 2 * std::min(n_tokens, page_size) * token_bytes;
+  const int64_t bytes_per_item = 2 * std::min(n_tokens, g.page_size) * token_bytes;
   const bool stream = use_streaming_stores(2 * table.rows * n_tokens * token_bytes, dst.strides, g, elem_size);
   const auto run = [&](auto stream_tag, int64_t begin, int64_t end) {
     constexpr bool kStream = decltype(stream_tag)::value;
     for (int64_t item = begin; item < end; ++item) {
-      const WriteBlock b = locate_write_block(table, starts, n_tokens, page_size, items_per_row, item);
+      const WriteBlock b = locate_write_block(table, starts, n_tokens, pages, items_per_row, item);
       if (b.tokens == 0) continue;
       const int64_t to = b.page * dst.page_bytes + b.in_page * dst.strides.token;
       const BlockShape shape{b.tokens, g.n_heads, g.head_dim, elem_size};

@@ -332,19 +332,18 @@ class PagedCache {
         checks::write_range(caller, table, row, starts[static_cast<size_t>(row)], n_tokens, page_size(), pool_);
       }
       // Validated: from here on nothing throws.
-      const at::Tensor k_layer = k_cache_.select(0, layer);
-      const at::Tensor v_layer = v_cache_.select(0, layer);
       if (is_quantized(quant_)) {
         write_quantized(layer, table, starts, n_tokens, k, v);
       } else if (kernels::use_cpu_kernels(device())) {
         const auto src = kernels::token_major(static_cast<const char*>(k.data_ptr()), k,
                                               static_cast<const char*>(v.data_ptr()), v);
-        const kernels::LayerPages<char> dst{static_cast<char*>(k_layer.data_ptr()),
-                                            static_cast<char*>(v_layer.data_ptr()), page_bytes(),
+        const kernels::LayerPages<char> dst{kernels::layer_bytes(k_cache_, layer),
+                                            kernels::layer_bytes(v_cache_, layer), page_bytes(),
                                             kernels::page_strides(geometry_, elem_size())};
         kernels::write_cpu(table, starts, n_tokens, src, dst, geometry_, elem_size());
       } else {
-        kernels::write_generic(table, starts, n_tokens, k, v, k_layer, v_layer, geometry_);
+        kernels::write_generic(table, starts, n_tokens, k, v, k_cache_.select(0, layer), v_cache_.select(0, layer),
+                               geometry_);
       }
     });
   }
@@ -353,15 +352,14 @@ class PagedCache {
   std::pair<at::Tensor, at::Tensor> gather_checked(int64_t layer, const PageTableRef<Index>& table,
                                                    const std::vector<int64_t>& lengths, int64_t n_tokens) const {
     if (is_quantized(quant_)) return gather_quantized(layer, table, lengths, n_tokens);
-    const at::Tensor k_layer = k_cache_.select(0, layer);
-    const at::Tensor v_layer = v_cache_.select(0, layer);
     if (!kernels::use_cpu_kernels(device())) {
-      return kernels::gather_generic(table, lengths, n_tokens, k_layer, v_layer, geometry_);
+      return kernels::gather_generic(table, lengths, n_tokens, k_cache_.select(0, layer), v_cache_.select(0, layer),
+                                     geometry_);
     }
     at::Tensor k_out = outputs_->empty(0, {table.rows, n_tokens, n_kv_heads(), head_dim()}, k_cache_.options());
     at::Tensor v_out = outputs_->empty(1, {table.rows, n_tokens, n_kv_heads(), head_dim()}, v_cache_.options());
-    const kernels::LayerPages<const char> src{static_cast<const char*>(k_layer.data_ptr()),
-                                              static_cast<const char*>(v_layer.data_ptr()), page_bytes(),
+    const kernels::LayerPages<const char> src{kernels::layer_bytes(k_cache_, layer),
+                                              kernels::layer_bytes(v_cache_, layer), page_bytes(),
                                               kernels::page_strides(geometry_, elem_size())};
     const auto dst = kernels::token_major(static_cast<char*>(k_out.data_ptr()), k_out,
                                           static_cast<char*>(v_out.data_ptr()), v_out);
@@ -388,56 +386,62 @@ class PagedCache {
   template <class Index>
   void write_quantized(int64_t layer, const PageTableRef<Index>& table, const std::vector<int64_t>& starts,
                        int64_t n_tokens, const at::Tensor& k, const at::Tensor& v) {
-    const at::Tensor layers[2] = {k_cache_.select(0, layer), v_cache_.select(0, layer)};
-    const at::Tensor scales[2] = {layer_of(k_scales_, layer), layer_of(v_scales_, layer)};
     const at::Tensor* inputs[2] = {&k, &v};
-    const KVFormat formats[2] = {quant_.k, quant_.v};
-    for (int side = 0; side < 2; ++side) {
-      const at::Tensor& x = *inputs[side];
-      if (!kernels::use_cpu_kernels(device())) {
-        quant_kernels::write_side_generic(table, starts, n_tokens, x, formats[side], layers[side], scales[side],
+    if (!kernels::use_cpu_kernels(device())) {
+      for (int side = 0; side < 2; ++side) {
+        quant_kernels::write_side_generic(table, starts, n_tokens, *inputs[side], format_of(side),
+                                          pages_of(side).select(0, layer), layer_of(scales_of(side), layer),
                                           geometry_);
-        continue;
       }
-      const auto es = static_cast<int64_t>(x.element_size());
-      const quant_kernels::SideTokens<const char> src{static_cast<const char*>(x.data_ptr()), x.stride(0) * es,
-                                                       kernels::token_major_strides(x)};
-      const quant_kernels::SidePages<char> dst{
-          formats[side], static_cast<char*>(layers[side].data_ptr()),
-          scales[side].defined() ? scales[side].data_ptr<float>() : nullptr,
-          static_cast<int64_t>(layers[side].element_size())};
-      visit_dtype([&](auto t) {
-        quant_kernels::write_side_cpu<decltype(t)>(table, starts, n_tokens, src, dst, geometry_);
-      });
+      return;
     }
+    const auto tokens_of = [](const at::Tensor& x) {
+      return quant_kernels::SideTokens<const char>{static_cast<const char*>(x.data_ptr()),
+                                                   x.stride(0) * static_cast<int64_t>(x.element_size()),
+                                                   kernels::token_major_strides(x)};
+    };
+    const quant_kernels::SideTokens<const char> src[2] = {tokens_of(k), tokens_of(v)};
+    const quant_kernels::SidePages<char> dst[2] = {side_pages(0, layer), side_pages(1, layer)};
+    visit_dtype([&](auto t) {
+      quant_kernels::write_sides_cpu<decltype(t)>(table, starts, n_tokens, src, dst, geometry_);
+    });
   }
 
   /// gather_checked for a cache with a quantized side: dequantized into the logical dtype.
   template <class Index>
   std::pair<at::Tensor, at::Tensor> gather_quantized(int64_t layer, const PageTableRef<Index>& table,
                                                      const std::vector<int64_t>& lengths, int64_t n_tokens) const {
-    const at::Tensor layers[2] = {k_cache_.select(0, layer), v_cache_.select(0, layer)};
-    const at::Tensor scales[2] = {layer_of(k_scales_, layer), layer_of(v_scales_, layer)};
-    const KVFormat formats[2] = {quant_.k, quant_.v};
     at::Tensor out[2];
     for (int side = 0; side < 2; ++side) {
       if (!kernels::use_cpu_kernels(device())) {
-        out[side] = quant_kernels::gather_side_generic(table, lengths, n_tokens, formats[side], layers[side],
-                                                       scales[side], geometry_, dtype_);
+        out[side] = quant_kernels::gather_side_generic(table, lengths, n_tokens, format_of(side),
+                                                       pages_of(side).select(0, layer),
+                                                       layer_of(scales_of(side), layer), geometry_, dtype_);
         continue;
       }
       out[side] = outputs_->empty(static_cast<size_t>(side), {table.rows, n_tokens, n_kv_heads(), head_dim()},
                                   k_cache_.options().dtype(dtype_));
-      const quant_kernels::SidePages<const char> src{
-          formats[side], static_cast<const char*>(layers[side].data_ptr()),
-          scales[side].defined() ? scales[side].data_ptr<float>() : nullptr,
-          static_cast<int64_t>(layers[side].element_size())};
+      const quant_kernels::SidePages<char> pages = side_pages(side, layer);
+      const quant_kernels::SidePages<const char> src{pages.format, pages.pages, pages.scales, pages.elem_size};
       visit_dtype([&](auto t) {
         using T = decltype(t);
         quant_kernels::gather_side_cpu<T>(table, lengths, n_tokens, src, out[side].data_ptr<T>(), geometry_);
       });
     }
     return {out[0], out[1]};
+  }
+
+  /// Side `side` (0: K, 1: V) of the cache: its format, pages and scales.
+  KVFormat format_of(int side) const { return side == 0 ? quant_.k : quant_.v; }
+  const at::Tensor& pages_of(int side) const { return side == 0 ? k_cache_ : v_cache_; }
+  const at::Tensor& scales_of(int side) const { return side == 0 ? k_scales_ : v_scales_; }
+
+  /// Layer `layer` of side `side` as raw bytes for the CPU kernels (no tensor is made: kernels::layer_bytes).
+  quant_kernels::SidePages<char> side_pages(int side, int64_t layer) const {
+    const at::Tensor& scales = scales_of(side);
+    return {format_of(side), kernels::layer_bytes(pages_of(side), layer),
+            scales.defined() ? kernels::layer_floats(scales, layer) : nullptr,
+            static_cast<int64_t>(pages_of(side).element_size())};
   }
 
   int64_t elem_size() const { return static_cast<int64_t>(k_cache_.element_size()); }

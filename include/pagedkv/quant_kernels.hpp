@@ -80,49 +80,54 @@ void quantize_block(attention_kernels::Isa isa, const char* src, const kernels::
   }
 }
 
-/// Writes tokens [0, n_tokens) of every sequence b of one side to logical
-/// positions starts[b] + s, through the page table.
+/// Writes one work item (kernels::locate_write_block) of one side.
+template <class T>
+void write_side_block(attention_kernels::Isa isa, const kernels::WriteBlock& b, const SideTokens<const char>& src,
+                      const SidePages<char>& dst, const PageGeometry& g, float* buf /* [D] */) {
+  const char* from = src.data + b.row * src.batch_stride + b.token * src.strides.token;
+  const int64_t first_scale = b.page * g.page_size * g.n_heads;  // of the page's; a native side has none
+  switch (dst.format) {
+    case KVFormat::fp8_e4m3:
+      return quantize_block<KVFormat::fp8_e4m3, T>(isa, from, src.strides,
+                                                   reinterpret_cast<uint8_t*>(dst.pages) + b.page * g.page_elems,
+                                                   dst.scales + first_scale, b.in_page, g, b.tokens, buf);
+    case KVFormat::int8:
+      return quantize_block<KVFormat::int8, T>(isa, from, src.strides,
+                                               reinterpret_cast<int8_t*>(dst.pages) + b.page * g.page_elems,
+                                               dst.scales + first_scale, b.in_page, g, b.tokens, buf);
+    default:
+      return kernels::copy_block(dst.pages + (b.page * g.page_elems + g.offset(b.in_page, 0)) * dst.elem_size,
+                                 kernels::page_strides(g, dst.elem_size), from, src.strides,
+                                 kernels::BlockShape{b.tokens, g.n_heads, g.head_dim, dst.elem_size});
+  }
+}
+
+/// Writes tokens [0, n_tokens) of every sequence b, both sides, to logical
+/// positions starts[b] + s, through the page table. K and V share one
+/// parallel region (each work item's two sides run one after the other):
+/// a region per side made the threads wait at the end of each.
 template <class T, class Index>
-void write_side_cpu(const PageTableRef<Index>& table,    // [B, max_pages]
-                    const std::vector<int64_t>& starts,  // [B]
-                    int64_t n_tokens, const SideTokens<const char>& src, const SidePages<char>& dst,
-                    const PageGeometry& g) {
+void write_sides_cpu(const PageTableRef<Index>& table,    // [B, max_pages]
+                     const std::vector<int64_t>& starts,  // [B]
+                     int64_t n_tokens,
+                     const SideTokens<const char> (&src)[2],  // k, v
+                     const SidePages<char> (&dst)[2],         // k, v
+                     const PageGeometry& g) {
   if (n_tokens == 0 || table.rows == 0) return;
-  const int64_t page_size = g.page_size;
-  const int64_t items_per_row = kernels::write_items_per_row(starts, n_tokens, page_size);
+  const PageDivisor pages(g.page_size);
+  const int64_t items_per_row = kernels::write_items_per_row(starts, n_tokens, pages);
   const int64_t token_bytes = g.n_heads * g.head_dim * static_cast<int64_t>(sizeof(T));
   const attention_kernels::Isa isa = attention_kernels::selected_isa();  // ScopedIsa is per thread
-  const kernels::BlockStrides page_strides = kernels::page_strides(g, dst.elem_size);
-  at::parallel_for(0, table.rows * items_per_row,
-                   kernels::grain_for(std::min(n_tokens, page_size) * token_bytes), [&](int64_t begin, int64_t end) {
-                     std::vector<float> buf(static_cast<size_t>(g.head_dim));
-                     for (int64_t item = begin; item < end; ++item) {
-                       const kernels::WriteBlock b =
-                           kernels::locate_write_block(table, starts, n_tokens, page_size, items_per_row, item);
-                       if (b.tokens == 0) continue;
-                       const int64_t page = b.page;
-                       const int64_t in_page = b.in_page;
-                       const char* from = src.data + b.row * src.batch_stride + b.token * src.strides.token;
-                       switch (dst.format) {
-                         case KVFormat::fp8_e4m3:
-                           quantize_block<KVFormat::fp8_e4m3, T>(
-                               isa, from, src.strides, reinterpret_cast<uint8_t*>(dst.pages) + page * g.page_elems,
-                               dst.scales + page * g.page_size * g.n_heads, in_page, g, b.tokens, buf.data());
-                           break;
-                         case KVFormat::int8:
-                           quantize_block<KVFormat::int8, T>(
-                               isa, from, src.strides, reinterpret_cast<int8_t*>(dst.pages) + page * g.page_elems,
-                               dst.scales + page * g.page_size * g.n_heads, in_page, g, b.tokens, buf.data());
-                           break;
-                         default:
-                           kernels::copy_block(
-                               dst.pages + (page * g.page_elems + g.offset(in_page, 0)) * dst.elem_size,
-                               page_strides, from, src.strides,
-                               kernels::BlockShape{b.tokens, g.n_heads, g.head_dim, dst.elem_size});
-                           break;
-                       }
-                     }
-                   });
+  const int64_t grain = kernels::grain_for(2 * std::min(n_tokens, g.page_size) * token_bytes);
+  at::parallel_for(0, table.rows * items_per_row, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(static_cast<size_t>(g.head_dim));
+    for (int64_t item = begin; item < end; ++item) {
+      const kernels::WriteBlock b = kernels::locate_write_block(table, starts, n_tokens, pages, items_per_row, item);
+      if (b.tokens == 0) continue;
+      write_side_block<T>(isa, b, src[0], dst[0], g, buf.data());
+      write_side_block<T>(isa, b, src[1], dst[1], g, buf.data());
+    }
+  });
 }
 
 /// Dequantizes `tokens` tokens of every head of a page into a contiguous

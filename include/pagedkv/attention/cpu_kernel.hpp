@@ -22,6 +22,7 @@
 #include "pagedkv/attention/convert.hpp"
 #include "pagedkv/attention/isa.hpp"
 #include "pagedkv/attention/plan.hpp"
+#include "pagedkv/kernels.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_table.hpp"
@@ -42,9 +43,8 @@ struct KVSide {
 /// Layer `layer` of a cache side: its pages [L, N, <page>] and, quantized,
 /// its scales [L, N, P * H] (undefined for a native side).
 inline KVSide layer_side(const at::Tensor& pages, const at::Tensor& scales, KVFormat format, int64_t layer) {
-  const at::Tensor layer_pages = pages.select(0, layer);
-  return KVSide{static_cast<const char*>(layer_pages.data_ptr()), static_cast<int64_t>(layer_pages.element_size()),
-                format, is_quantized(format) ? scales.select(0, layer).data_ptr<float>() : nullptr};
+  return KVSide{kernels::layer_bytes(pages, layer), static_cast<int64_t>(pages.element_size()), format,
+                is_quantized(format) ? kernels::layer_floats(scales, layer) : nullptr};
 }
 
 /// What a code's scale is multiplied by so that scale * (decoded code) is
