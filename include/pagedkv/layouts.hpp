@@ -71,9 +71,8 @@ struct PageGeometry {
   }
 };
 
-/// Splits token positions (>= 0) into a page column and a slot in the page.
-/// A power-of-two page size (every engine's default) takes a shift and a
-/// mask; any other size divides. A 64-bit division costs 4-5 ns on the
+/// The page column of token positions (>= 0): a shift for a power-of-two
+/// page size (every engine's default), a division for any other. A 64-bit division costs 4-5 ns on the
 /// machines we measured, and a 32-token decode write split positions about
 /// 200 times per call before it used this (bench/NOTES.md, "Fixed costs of
 /// small writes").
@@ -86,10 +85,6 @@ class PageDivisor {
 
   /// The page column holding `position`: position / page_size.
   int64_t column(int64_t position) const noexcept { return shift_ >= 0 ? position >> shift_ : position / page_size_; }
-  /// The slot of `position` in its page: position % page_size.
-  int64_t slot(int64_t position) const noexcept {
-    return shift_ >= 0 ? position & (page_size_ - 1) : position % page_size_;
-  }
   /// Tokens per page.
   int64_t page_size() const noexcept { return page_size_; }
 

@@ -401,7 +401,7 @@ class PagedCache {
                                                    kernels::token_major_strides(x)};
     };
     const quant_kernels::SideTokens<const char> src[2] = {tokens_of(k), tokens_of(v)};
-    const quant_kernels::SidePages<char> dst[2] = {side_pages(0, layer), side_pages(1, layer)};
+    const quant_kernels::SidePages<char> dst[2] = {side_pages<char>(0, layer), side_pages<char>(1, layer)};
     visit_dtype([&](auto t) {
       quant_kernels::write_sides_cpu<decltype(t)>(table, starts, n_tokens, src, dst, geometry_);
     });
@@ -421,8 +421,7 @@ class PagedCache {
       }
       out[side] = outputs_->empty(static_cast<size_t>(side), {table.rows, n_tokens, n_kv_heads(), head_dim()},
                                   k_cache_.options().dtype(dtype_));
-      const quant_kernels::SidePages<char> pages = side_pages(side, layer);
-      const quant_kernels::SidePages<const char> src{pages.format, pages.pages, pages.scales, pages.elem_size};
+      const auto src = side_pages<const char>(side, layer);
       visit_dtype([&](auto t) {
         using T = decltype(t);
         quant_kernels::gather_side_cpu<T>(table, lengths, n_tokens, src, out[side].data_ptr<T>(), geometry_);
@@ -437,7 +436,8 @@ class PagedCache {
   const at::Tensor& scales_of(int side) const { return side == 0 ? k_scales_ : v_scales_; }
 
   /// Layer `layer` of side `side` as raw bytes for the CPU kernels (no tensor is made: kernels::layer_bytes).
-  quant_kernels::SidePages<char> side_pages(int side, int64_t layer) const {
+  template <class Byte>
+  quant_kernels::SidePages<Byte> side_pages(int side, int64_t layer) const {
     const at::Tensor& scales = scales_of(side);
     return {format_of(side), kernels::layer_bytes(pages_of(side), layer),
             scales.defined() ? kernels::layer_floats(scales, layer) : nullptr,
