@@ -151,6 +151,25 @@ TEST(AttentionKernels, PlanSplitsLongContextsAcrossThreads) {
   EXPECT_EQ(prefill.work[3].t1, 100);
 }
 
+TEST(AttentionKernels, ReadAheadChunksAreWholeScorePassesOfAbout2KiB) {
+  using pagedkv::attention_kernels::read_ahead_chunk;
+  EXPECT_EQ(read_ahead_chunk(128, 2), 8);   // fp16 x 128: 256-byte vectors
+  EXPECT_EQ(read_ahead_chunk(128, 1), 16);  // fp8 / int8 codes
+  EXPECT_EQ(read_ahead_chunk(128, 4), 4);   // float32
+  EXPECT_EQ(read_ahead_chunk(40, 2), 24);   // 25 vectors fit: rounded down to whole passes of 4 keys
+  EXPECT_EQ(read_ahead_chunk(1024, 4), 4);  // a vector larger than the chunk: still one pass
+  for (int64_t head_dim = 1; head_dim <= 300; ++head_dim) {
+    for (int64_t elem_size : {1, 2, 4}) {
+      const int64_t chunk = read_ahead_chunk(head_dim, elem_size);
+      EXPECT_EQ(chunk % 4, 0) << head_dim << " x " << elem_size;
+      EXPECT_GE(chunk, 4);
+      if (chunk > 4) {
+        EXPECT_LE(chunk * head_dim * elem_size, pagedkv::attention_kernels::kPrefetchChunkBytes);
+      }
+    }
+  }
+}
+
 TEST_P(AttentionTest, MatchesFloat64ReferenceAcrossShapes) {
   std::mt19937_64 rng(1234);
   uint64_t seed = 1;

@@ -22,6 +22,7 @@
 #include "pagedkv/attention/convert.hpp"
 #include "pagedkv/attention/isa.hpp"
 #include "pagedkv/attention/plan.hpp"
+#include "pagedkv/attention/prefetch.hpp"
 #include "pagedkv/kernels.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
@@ -224,38 +225,6 @@ struct BlockRows {
   float* v_scales;  // [nh, kKeyBlock]
 };
 
-/// Asks for the `n` stored vectors at rows[0, n) (`bytes` each) to be
-/// brought into L2, ahead of their use: each 64-byte line they touch, once.
-inline void prefetch_rows(const void* const* rows,  // [n]
-                          int64_t n, int64_t bytes) noexcept {
-  constexpr uintptr_t kLine = 64;
-  for (int64_t j = 0; j < n; ++j) {
-    const uintptr_t first = reinterpret_cast<uintptr_t>(rows[j]);
-    const uintptr_t end = first + static_cast<uintptr_t>(bytes);
-    for (uintptr_t line = first & ~(kLine - 1); line < end; line += kLine) {
-      __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
-    }
-  }
-}
-
-/// Contiguous runs shorter than this are prefetched by hand, one block
-/// ahead: the hardware's L2 streamer needs a few misses to start on a run
-/// and stops at each 4 KiB page, so it does little for a head's vectors a
-/// stride apart (NHD: 256 bytes every 2 KiB for 8 heads x 128 x fp16) or
-/// for short HND runs (pages of 1 or 4 fp16 tokens: 256 bytes, 1 KiB). On
-/// runs of 2 KiB and more (HND pages of 16 tokens: 4 KiB per head in fp16,
-/// 2 KiB in fp8) it does the work, and prefetching as well was slower
-/// (bench/NOTES.md, "Prefetching the next block").
-constexpr int64_t kStreamedRunBytes = 2048;
-
-/// Whether the kernel prefetches a side's vectors one block ahead: when the
-/// bytes of one head that lie contiguous in a page are fewer than
-/// kStreamedRunBytes.
-inline bool prefetches_next_block(const PageGeometry& g, const KVSide& side) noexcept {
-  const int64_t run_tokens = g.token_stride == g.head_dim ? g.page_size : 1;  // a head's tokens adjacent (HND) or not
-  return run_tokens * g.head_dim * side.elem_size < kStreamedRunBytes;
-}
-
 /// Writes one finished row: out = acc / sum.
 template <class T>
 void store_row(T* out,            // [D]
@@ -302,13 +271,18 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
   };
   const int64_t k_bytes = D * pr.k.elem_size;
   const int64_t v_bytes = D * pr.v.elem_size;
+  // A side read ahead is scored / accumulated a chunk at a time, each
+  // chunk after the prefetch of the chunk read after it (prefetch.hpp);
+  // otherwise a whole block at once.
+  const bool prefetch_k = !kCopies && prefetches_side(pr.g, pr.k.elem_size);
+  const bool prefetch_v = !kCopies && prefetches_side(pr.g, pr.v.elem_size);
+  const int64_t k_chunk = prefetch_k ? read_ahead_chunk(D, pr.k.elem_size) : kKeyBlock;
+  const int64_t v_chunk = prefetch_v ? read_ahead_chunk(D, pr.v.elem_size) : kKeyBlock;
   if (!kCopies) load(block, w.t0, std::min(kKeyBlock, w.t1 - w.t0));
 
   for (int64_t t0 = w.t0; t0 < w.t1; t0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, w.t1 - t0);
     const int64_t n_next = kCopies ? 0 : std::max<int64_t>(0, std::min(kKeyBlock, w.t1 - t0 - kKeyBlock));
-    const bool prefetch_k = n_next > 0 && prefetches_next_block(pr.g, pr.k);
-    const bool prefetch_v = n_next > 0 && prefetches_next_block(pr.g, pr.v);
     if (kCopies) load(block, t0, n);
     if (n_next > 0) load(next, t0 + kKeyBlock, n_next);
     for (int64_t s = w.s0; s < w.s1; ++s) {
@@ -320,13 +294,18 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
         const void* const* values = block.v + h * kKeyBlock;
         const float* k_scales = pr.k.quantized() ? block.k_scales + h * kKeyBlock : nullptr;
         const float* v_scales = pr.v.quantized() ? block.v_scales + h * kKeyBlock : nullptr;
-        if (s == w.s0) {
-          if (prefetch_k) prefetch_rows(next.k + h * kKeyBlock, n_next, k_bytes);
-          if (prefetch_v) prefetch_rows(next.v + h * kKeyBlock, n_next, v_bytes);
-        }
+        // The head read after this one: head h + 1 of this block, or the
+        // next block's first; its first `ahead_n` rows are located.
+        const bool last_head = h + 1 == w.nh;
+        const int64_t ahead_offset = last_head ? 0 : (h + 1) * kKeyBlock;
+        const BlockRows ahead{(last_head ? next.k : block.k) + ahead_offset,
+                              (last_head ? next.v : block.v) + ahead_offset, nullptr, nullptr};
+        const int64_t ahead_n = last_head ? n_next : n;
         // The G query heads of kv head h, up to kRowsAtOnce at a time: each
         // key and value vector is loaded once for all of them.
         for (int64_t i0 = 0; i0 < G; i0 += kRowsAtOnce) {
+          // Later queries and query heads of a tile reuse the block from the cache.
+          const bool first_pass = s == w.s0 && i0 == 0;
           const int group_rows = static_cast<int>(std::min<int64_t>(kRowsAtOnce, G - i0));
           const int64_t r0 = ((s - w.s0) * w.nh + h) * G + i0;
           const float* q[kRowsAtOnce];
@@ -335,7 +314,11 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
             q[i] = pr.q + ((w.b * pr.n_queries + s) * pr.n_heads + (w.h0 + h) * G + i0 + i) * D;
             acc[i] = acc_all + (r0 + i) * D;
           }
-          score_block<Ops, kCopies, T>(pr.k.format, q, group_rows, keys, visible, D, sc.scores);
+          for (int64_t j0 = 0; j0 < visible; j0 += k_chunk) {
+            const int64_t c = std::min(k_chunk, visible - j0);
+            if (prefetch_k && first_pass) prefetch_chunk_after(keys, n, ahead.k, ahead_n, j0, k_chunk, k_bytes);
+            score_block<Ops, kCopies, T>(pr.k.format, q, group_rows, keys + j0, c, D, sc.scores + j0);
+          }
           for (int i = 0; i < group_rows; ++i) {
             float* scores = sc.scores + i * kKeyBlock;
             if (k_scales != nullptr) multiply_by(scores, k_scales, visible);
@@ -350,7 +333,11 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
             sum[r] += Ops::exp_sum(scores, visible, max[r]);
             if (v_scales != nullptr) multiply_by(scores, v_scales, visible);  // the weight the codes need
           }
-          accumulate_block<Ops, kCopies, T>(pr.v.format, acc, group_rows, values, sc.scores, visible, D);
+          for (int64_t j0 = 0; j0 < visible; j0 += v_chunk) {
+            const int64_t c = std::min(v_chunk, visible - j0);
+            if (prefetch_v && first_pass) prefetch_chunk_after(values, n, ahead.v, ahead_n, j0, v_chunk, v_bytes);
+            accumulate_block<Ops, kCopies, T>(pr.v.format, acc, group_rows, values + j0, sc.scores + j0, c, D);
+          }
         }
       }
     }
