@@ -298,8 +298,8 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
         // next block's first; its first `ahead_n` rows are located.
         const bool last_head = h + 1 == w.nh;
         const int64_t ahead_offset = last_head ? 0 : (h + 1) * kKeyBlock;
-        const BlockRows ahead{(last_head ? next.k : block.k) + ahead_offset,
-                              (last_head ? next.v : block.v) + ahead_offset, nullptr, nullptr};
+        const void* const* k_ahead = (last_head ? next.k : block.k) + ahead_offset;
+        const void* const* v_ahead = (last_head ? next.v : block.v) + ahead_offset;
         const int64_t ahead_n = last_head ? n_next : n;
         // The G query heads of kv head h, up to kRowsAtOnce at a time: each
         // key and value vector is loaded once for all of them.
@@ -316,7 +316,7 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
           }
           for (int64_t j0 = 0; j0 < visible; j0 += k_chunk) {
             const int64_t c = std::min(k_chunk, visible - j0);
-            if (prefetch_k && first_pass) prefetch_chunk_after(keys, n, ahead.k, ahead_n, j0, k_chunk, k_bytes);
+            if (prefetch_k && first_pass) prefetch_chunk_after(keys, n, k_ahead, ahead_n, j0, k_chunk, k_bytes);
             score_block<Ops, kCopies, T>(pr.k.format, q, group_rows, keys + j0, c, D, sc.scores + j0);
           }
           for (int i = 0; i < group_rows; ++i) {
@@ -335,7 +335,7 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
           }
           for (int64_t j0 = 0; j0 < visible; j0 += v_chunk) {
             const int64_t c = std::min(v_chunk, visible - j0);
-            if (prefetch_v && first_pass) prefetch_chunk_after(values, n, ahead.v, ahead_n, j0, v_chunk, v_bytes);
+            if (prefetch_v && first_pass) prefetch_chunk_after(values, n, v_ahead, ahead_n, j0, v_chunk, v_bytes);
             accumulate_block<Ops, kCopies, T>(pr.v.format, acc, group_rows, values + j0, sc.scores + j0, c, D);
           }
         }
