@@ -183,6 +183,33 @@ void load_block(const Problem<T>& pr, const KVSide& side, int64_t b, int64_t h0,
   }
 }
 
+/// Prefetches the scales load_block will copy for kv heads [h0, h0 + nh)
+/// and tokens [t0, t0 + n) of sequence b, on a quantized side. load_block
+/// copies a block's scales as soon as it locates the block, so without this
+/// each page's first scale load waited for memory: ~10 % of the fp8
+/// kernel's samples (bench/NOTES.md, "Scales read ahead").
+template <class T>
+void prefetch_scales(const Problem<T>& pr, const KVSide& side, int64_t b, int64_t h0, int64_t nh, int64_t t0,
+                     int64_t n) {
+  if (!side.quantized() || n <= 0) return;
+  const PageGeometry& g = pr.g;
+  const int64_t page_vectors = g.page_elems / g.head_dim;  // one scale per (token, head) vector
+  const int64_t token_vectors = g.token_stride / g.head_dim;
+  const int64_t head_vectors = g.head_stride / g.head_dim;
+  constexpr auto kScaleBytes = static_cast<int64_t>(sizeof(float));
+  for (int64_t t = t0; t < t0 + n;) {
+    const int64_t in_page = t % g.page_size;
+    const int64_t run = std::min(t0 + n - t, g.page_size - in_page);  // tokens of this page
+    const float* first = side.scales + pr.table(b, t / g.page_size) * page_vectors + in_page * token_vectors;
+    if (head_vectors < token_vectors) {  // a token's heads adjacent (NHD): one span
+      prefetch_bytes(first + h0 * head_vectors, ((run - 1) * token_vectors + nh * head_vectors) * kScaleBytes);
+    } else {  // a head's tokens adjacent (HND): a run per head
+      for (int64_t h = h0; h < h0 + nh; ++h) prefetch_bytes(first + h * head_vectors, run * kScaleBytes);
+    }
+    t += run;
+  }
+}
+
 /// Ops::scores on one block's keys, as the element type they are stored in.
 template <class Ops, bool kCopies, class T>
 void score_block(KVFormat format, const float* const* q, int rows,
@@ -285,6 +312,11 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
     const int64_t n_next = kCopies ? 0 : std::max<int64_t>(0, std::min(kKeyBlock, w.t1 - t0 - kKeyBlock));
     if (kCopies) load(block, t0, n);
     if (n_next > 0) load(next, t0 + kKeyBlock, n_next);
+    // The scales of the block loaded after this one (the next, or, reading
+    // in place, the one after it).
+    const int64_t t_scales = t0 + (kCopies ? 1 : 2) * kKeyBlock;
+    prefetch_scales(pr, pr.k, w.b, w.h0, w.nh, t_scales, std::min(kKeyBlock, w.t1 - t_scales));
+    prefetch_scales(pr, pr.v, w.b, w.h0, w.nh, t_scales, std::min(kKeyBlock, w.t1 - t_scales));
     for (int64_t s = w.s0; s < w.s1; ++s) {
       // Causal: query s (at position first_pos + s) sees keys <= its position.
       const int64_t visible = std::min(n, first_pos + s + 1 - t0);

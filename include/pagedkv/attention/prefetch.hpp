@@ -32,19 +32,22 @@ inline void prefetch_line(const void* address) noexcept {
 #endif
 }
 
+/// Asks for the `bytes` bytes at `first` to be brought into the caches:
+/// each 64-byte line they touch, once.
+inline void prefetch_bytes(const void* first, int64_t bytes) noexcept {
+  constexpr uintptr_t kLine = 64;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(first);
+  const uintptr_t end = begin + static_cast<uintptr_t>(bytes);
+  for (uintptr_t line = begin & ~(kLine - 1); line < end; line += kLine) {
+    prefetch_line(reinterpret_cast<const void*>(line));
+  }
+}
+
 /// Asks for the `n` stored vectors at rows[0, n) (`bytes` each) to be
-/// brought into the caches, ahead of their use: each 64-byte line they
-/// touch, once.
+/// brought into the caches, ahead of their use.
 inline void prefetch_rows(const void* const* rows,  // [n]
                           int64_t n, int64_t bytes) noexcept {
-  constexpr uintptr_t kLine = 64;
-  for (int64_t j = 0; j < n; ++j) {
-    const uintptr_t first = reinterpret_cast<uintptr_t>(rows[j]);
-    const uintptr_t end = first + static_cast<uintptr_t>(bytes);
-    for (uintptr_t line = first & ~(kLine - 1); line < end; line += kLine) {
-      prefetch_line(reinterpret_cast<const void*>(line));
-    }
-  }
+  for (int64_t j = 0; j < n; ++j) prefetch_bytes(rows[j], bytes);
 }
 
 /// Prefetches the chunk read after rows [j0, j0 + chunk) of a head: rows
