@@ -134,6 +134,38 @@ void side_to_float(KVFormat format, const char* src, float* dst, int64_t n) {
   }
 }
 
+/// Calls f(column, in_page, j0, run) for each page's share of tokens
+/// [t0, t0 + n): `run` tokens from slot `in_page` of page column `column`,
+/// which are tokens [j0, j0 + run) of the range.
+template <class F>
+void for_each_page_run(int64_t page_size, int64_t t0, int64_t n, F&& f) {
+  for (int64_t t = t0; t < t0 + n;) {
+    const int64_t in_page = t % page_size;
+    const int64_t run = std::min(t0 + n - t, page_size - in_page);
+    f(t / page_size, in_page, t - t0, run);
+    t += run;
+  }
+}
+
+/// The index of a quantized side's scale of (page, token slot, head): one
+/// scale per (token, head) vector in the pages' layout order, so the index
+/// is the vector's element offset / D. The steps are divided once, not per
+/// vector (a 64-bit division costs ~40 cycles).
+struct ScaleIndex {
+  int64_t page_vectors;   ///< scales per page
+  int64_t token_vectors;  ///< between consecutive tokens of one head
+  int64_t head_vectors;   ///< between consecutive heads of one token
+
+  explicit ScaleIndex(const PageGeometry& g)
+      : page_vectors(g.page_elems / g.head_dim),
+        token_vectors(g.token_stride / g.head_dim),
+        head_vectors(g.head_stride / g.head_dim) {}
+
+  int64_t operator()(int64_t page_id, int64_t in_page, int64_t head) const noexcept {
+    return page_id * page_vectors + in_page * token_vectors + head * head_vectors;
+  }
+};
+
 /// Points rows[h * kKeyBlock + j] at the vector of kv head h0 + h, token
 /// t0 + j: into the pages, or (kCopies) at float32 copies in `buffer`, laid
 /// out [head, token, D] so that one head's keys are adjacent (NHD rows a
@@ -149,27 +181,17 @@ void load_block(const Problem<T>& pr, const KVSide& side, int64_t b, int64_t h0,
   const PageGeometry& g = pr.g;
   const int64_t D = g.head_dim;
   const int64_t page_bytes = g.page_elems * side.elem_size;
-  // A scale's index is its vector's element offset / D: the steps divided
-  // once here, not per vector (a 64-bit division costs ~40 cycles).
-  const int64_t page_vectors = g.page_elems / D;  // (token, head) vectors, hence scales, per page
-  const int64_t token_vectors = g.token_stride / D;
-  const int64_t head_vectors = g.head_stride / D;
+  const ScaleIndex scale_index(g);
   const float unit = code_unit(side.format);
-  for (int64_t t = t0; t < t0 + n;) {
-    const int64_t in_page = t % g.page_size;
-    const int64_t run = std::min(t0 + n - t, g.page_size - in_page);  // tokens of this page in the block
-    const int64_t page_id = pr.table(b, t / g.page_size);
+  for_each_page_run(g.page_size, t0, n, [&](int64_t column, int64_t in_page, int64_t j0, int64_t run) {
+    const int64_t page_id = pr.table(b, column);
     const char* page = side.pages + page_id * page_bytes;
-    const int64_t j0 = t - t0;
     for (int64_t j = 0; j < run; ++j) {
       for (int64_t h = 0; h < nh; ++h) {
         const int64_t offset = g.offset(in_page + j, h0 + h);  // elements into the page
         const char* src = page + offset * side.elem_size;
         const int64_t slot = h * kKeyBlock + j0 + j;
-        if (side.quantized()) {
-          const int64_t vector = (in_page + j) * token_vectors + (h0 + h) * head_vectors;
-          scales[slot] = side.scales[page_id * page_vectors + vector] * unit;
-        }
+        if (side.quantized()) scales[slot] = side.scales[scale_index(page_id, in_page + j, h0 + h)] * unit;
         if constexpr (kCopies) {
           float* dst = buffer + slot * D;
           side_to_float<Ops, T>(side.format, src, dst, D);
@@ -179,8 +201,7 @@ void load_block(const Problem<T>& pr, const KVSide& side, int64_t b, int64_t h0,
         }
       }
     }
-    t += run;
-  }
+  });
 }
 
 /// Prefetches the scales load_block will copy for kv heads [h0, h0 + nh)
@@ -192,22 +213,19 @@ template <class T>
 void prefetch_scales(const Problem<T>& pr, const KVSide& side, int64_t b, int64_t h0, int64_t nh, int64_t t0,
                      int64_t n) {
   if (!side.quantized() || n <= 0) return;
-  const PageGeometry& g = pr.g;
-  const int64_t page_vectors = g.page_elems / g.head_dim;  // one scale per (token, head) vector
-  const int64_t token_vectors = g.token_stride / g.head_dim;
-  const int64_t head_vectors = g.head_stride / g.head_dim;
+  const ScaleIndex scale_index(pr.g);
   constexpr auto kScaleBytes = static_cast<int64_t>(sizeof(float));
-  for (int64_t t = t0; t < t0 + n;) {
-    const int64_t in_page = t % g.page_size;
-    const int64_t run = std::min(t0 + n - t, g.page_size - in_page);  // tokens of this page
-    const float* first = side.scales + pr.table(b, t / g.page_size) * page_vectors + in_page * token_vectors;
-    if (head_vectors < token_vectors) {  // a token's heads adjacent (NHD): one span
-      prefetch_bytes(first + h0 * head_vectors, ((run - 1) * token_vectors + nh * head_vectors) * kScaleBytes);
+  for_each_page_run(pr.g.page_size, t0, n, [&](int64_t column, int64_t in_page, int64_t /*j0*/, int64_t run) {
+    const int64_t page_id = pr.table(b, column);
+    if (scale_index.head_vectors < scale_index.token_vectors) {  // a token's heads adjacent (NHD): one span
+      const int64_t span = (run - 1) * scale_index.token_vectors + nh * scale_index.head_vectors;
+      prefetch_bytes(side.scales + scale_index(page_id, in_page, h0), span * kScaleBytes);
     } else {  // a head's tokens adjacent (HND): a run per head
-      for (int64_t h = h0; h < h0 + nh; ++h) prefetch_bytes(first + h * head_vectors, run * kScaleBytes);
+      for (int64_t h = h0; h < h0 + nh; ++h) {
+        prefetch_bytes(side.scales + scale_index(page_id, in_page, h), run * kScaleBytes);
+      }
     }
-    t += run;
-  }
+  });
 }
 
 /// Ops::scores on one block's keys, as the element type they are stored in.
