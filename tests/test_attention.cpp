@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -151,20 +152,64 @@ TEST(AttentionKernels, PlanSplitsLongContextsAcrossThreads) {
   EXPECT_EQ(prefill.work[3].t1, 100);
 }
 
-TEST(AttentionKernels, ReadAheadChunksAreWholeScorePassesOfAbout2KiB) {
+TEST(AttentionKernels, ReadAheadChunksAreWholeScorePassesOfAtMost8Rows) {
   using pagedkv::attention_kernels::read_ahead_chunk;
-  EXPECT_EQ(read_ahead_chunk(128, 2), 8);   // fp16 x 128: 256-byte vectors
-  EXPECT_EQ(read_ahead_chunk(128, 1), 16);  // fp8 / int8 codes
+  EXPECT_EQ(read_ahead_chunk(128, 2), 8);   // fp16 x 128: 256-byte vectors, 2 KiB
+  EXPECT_EQ(read_ahead_chunk(128, 1), 8);   // fp8 / int8 codes: 16 would fit, 8 read faster
   EXPECT_EQ(read_ahead_chunk(128, 4), 4);   // float32
-  EXPECT_EQ(read_ahead_chunk(40, 2), 24);   // 25 vectors fit: rounded down to whole passes of 4 keys
+  EXPECT_EQ(read_ahead_chunk(40, 2), 8);    // 25 vectors fit: 8
+  EXPECT_EQ(read_ahead_chunk(200, 2), 4);   // 5 fit: rounded down to one pass of 4 keys
   EXPECT_EQ(read_ahead_chunk(1024, 4), 4);  // a vector larger than the chunk: still one pass
   for (int64_t head_dim = 1; head_dim <= 300; ++head_dim) {
     for (int64_t elem_size : {1, 2, 4}) {
       const int64_t chunk = read_ahead_chunk(head_dim, elem_size);
-      EXPECT_EQ(chunk % 4, 0) << head_dim << " x " << elem_size;
-      EXPECT_GE(chunk, 4);
+      EXPECT_TRUE(chunk == 4 || chunk == 8) << head_dim << " x " << elem_size << ": " << chunk;
       if (chunk > 4) {
         EXPECT_LE(chunk * head_dim * elem_size, pagedkv::attention_kernels::kPrefetchChunkBytes);
+      }
+    }
+  }
+}
+
+// The kernel reads a block in PieceOrder and prefetches, before each piece,
+// the one next_in_block names: both must agree on one sequence that visits
+// every (head, chunk) once, chunk by chunk where token_major.
+TEST(AttentionKernels, PieceOrderVisitsEveryPieceOnceAndNamesTheNext) {
+  using pagedkv::attention_kernels::PieceOrder;
+  for (const bool token_major : {false, true}) {
+    for (const int64_t heads : {1, 3, 8}) {
+      for (const int64_t n : {1, 7, 8, 9, 32}) {
+        const PieceOrder order{token_major, heads, 8};
+        std::vector<std::array<int64_t, 3>> pieces;  // (head, j0, count)
+        order.for_each(n, [&](int64_t h, int64_t j0, int64_t c) { pieces.push_back({h, j0, c}); });
+        const std::string where = std::string(token_major ? "token-major" : "head-major") +
+                                  " heads=" + std::to_string(heads) + " n=" + std::to_string(n);
+        // Every row of every head exactly once.
+        std::vector<int> seen(static_cast<size_t>(heads * n), 0);
+        for (const auto& [h, j0, c] : pieces) {
+          EXPECT_EQ(j0 % 8, 0) << where;
+          EXPECT_EQ(c, std::min<int64_t>(8, n - j0)) << where;
+          for (int64_t j = j0; j < j0 + c; ++j) ++seen[static_cast<size_t>(h * n + j)];
+        }
+        EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), heads * n) << where;
+        // next_in_block walks the same sequence, and ends after the last piece.
+        for (size_t i = 0; i < pieces.size(); ++i) {
+          int64_t h = pieces[i][0], j0 = pieces[i][1];
+          const bool in_block = order.next_in_block(n, h, j0);
+          ASSERT_EQ(in_block, i + 1 < pieces.size()) << where << " piece " << i;
+          if (in_block) {
+            EXPECT_EQ(h, pieces[i + 1][0]) << where << " piece " << i;
+            EXPECT_EQ(j0, pieces[i + 1][1]) << where << " piece " << i;
+          }
+        }
+        // Token-major: all heads of a chunk before the next chunk.
+        if (token_major && heads > 1 && n > 8) {
+          EXPECT_EQ(pieces[1][0], 1) << where;
+          EXPECT_EQ(pieces[1][1], 0) << where;
+        } else if (!token_major && n > 8) {
+          EXPECT_EQ(pieces[1][0], 0) << where;
+          EXPECT_EQ(pieces[1][1], 8) << where;
+        }
       }
     }
   }

@@ -1,10 +1,13 @@
 // The CPU paged-attention kernel, for native and quantized pages alike. Keys
 // and values are read block by block (kKeyBlock tokens, shared by every
-// query row of the item), with an online softmax (running max and sum) in
-// float32. The query heads of one kv head are
-// scored and accumulated kRowsAtOnce at a time, so that each key and value
-// vector loaded serves all of them. Work items come from plan.hpp; the
-// arithmetic from the instruction set isa.hpp selects.
+// query row of a work item), with an online softmax (running max and sum) in
+// float32: every head's scores of a block, then its softmax, then every
+// head's values. The query heads of one kv head are scored and accumulated
+// kRowsAtOnce at a time, so that each key and value vector loaded serves all
+// of them. Where a token's heads are adjacent (NHD) the block is read chunk
+// by chunk, every head of a chunk in a row, so that memory is read a few KiB
+// at a time in order (PieceOrder, prefetch.hpp). Work items come from
+// plan.hpp; the arithmetic from the instruction set isa.hpp selects.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -82,7 +85,7 @@ struct Scratch {
   std::vector<float> acc;            // [rows, D]
   std::vector<float> max;            // [rows]
   std::vector<float> sum;            // [rows]
-  float scores[kRowsAtOnce * kKeyBlock] = {};  // [kRowsAtOnce, kKeyBlock]
+  std::vector<float> scores;         // [heads, kRowsAtOnce, kKeyBlock]
 
   /// The calling thread's buffers, large enough for the plan.
   static Scratch& local(int64_t max_rows, int64_t heads, int64_t head_dim, bool copies) {
@@ -101,6 +104,7 @@ struct Scratch {
     grow(scratch.acc, max_rows * head_dim);
     grow(scratch.max, max_rows);
     grow(scratch.sum, max_rows);
+    grow(scratch.scores, heads * kRowsAtOnce * kKeyBlock);
     return scratch;
   }
 };
@@ -325,6 +329,16 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
   const int64_t v_chunk = prefetch_v ? read_ahead_chunk(D, pr.v.elem_size) : kKeyBlock;
   if (!kCopies) load(block, w.t0, std::min(kKeyBlock, w.t1 - w.t0));
 
+  // The order of a block's pieces (one head's chunk of tokens): where a
+  // token's heads are adjacent (NHD), every head of a chunk before the next
+  // chunk, so that the block is read a few KiB of memory at a time, in
+  // order; otherwise (HND) one head's chunks in a row, which is already so.
+  const bool token_major = pr.g.head_stride < pr.g.token_stride;
+  const PieceOrder k_order{token_major, w.nh, k_chunk};
+  const PieceOrder v_order{token_major, w.nh, v_chunk};
+  float* const scores_all = sc.scores.data();  // [nh, kRowsAtOnce, kKeyBlock]
+  constexpr int64_t kHeadScores = kRowsAtOnce * kKeyBlock;
+
   for (int64_t t0 = w.t0; t0 < w.t1; t0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, w.t1 - t0);
     const int64_t n_next = kCopies ? 0 : std::max<int64_t>(0, std::min(kKeyBlock, w.t1 - t0 - kKeyBlock));
@@ -339,56 +353,57 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
       // Causal: query s (at position first_pos + s) sees keys <= its position.
       const int64_t visible = std::min(n, first_pos + s + 1 - t0);
       if (visible <= 0) continue;
-      for (int64_t h = 0; h < w.nh; ++h) {
-        const void* const* keys = block.k + h * kKeyBlock;
-        const void* const* values = block.v + h * kKeyBlock;
-        const float* k_scales = pr.k.quantized() ? block.k_scales + h * kKeyBlock : nullptr;
-        const float* v_scales = pr.v.quantized() ? block.v_scales + h * kKeyBlock : nullptr;
-        // The head read after this one: head h + 1 of this block, or the
-        // next block's first; its first `ahead_n` rows are located.
-        const bool last_head = h + 1 == w.nh;
-        const int64_t ahead_offset = last_head ? 0 : (h + 1) * kKeyBlock;
-        const void* const* k_ahead = (last_head ? next.k : block.k) + ahead_offset;
-        const void* const* v_ahead = (last_head ? next.v : block.v) + ahead_offset;
-        const int64_t ahead_n = last_head ? n_next : n;
-        // The G query heads of kv head h, up to kRowsAtOnce at a time: each
-        // key and value vector is loaded once for all of them.
-        for (int64_t i0 = 0; i0 < G; i0 += kRowsAtOnce) {
-          // Later queries and query heads of a tile reuse the block from the cache.
-          const bool first_pass = s == w.s0 && i0 == 0;
-          const int group_rows = static_cast<int>(std::min<int64_t>(kRowsAtOnce, G - i0));
-          const int64_t r0 = ((s - w.s0) * w.nh + h) * G + i0;
+      // The G query heads of each kv head, up to kRowsAtOnce at a time: each
+      // key and value vector is loaded once for all of them.
+      for (int64_t i0 = 0; i0 < G; i0 += kRowsAtOnce) {
+        // Later queries and query heads of a tile reuse the block from the cache.
+        const bool first_pass = s == w.s0 && i0 == 0;
+        const int group_rows = static_cast<int>(std::min<int64_t>(kRowsAtOnce, G - i0));
+        // Row r0(h) + i is query head (h0 + h) * G + i0 + i of query s.
+        const auto r0 = [&](int64_t h) { return ((s - w.s0) * w.nh + h) * G + i0; };
+        const auto q_row = [&](int64_t h, int i) {
+          return pr.q + ((w.b * pr.n_queries + s) * pr.n_heads + (w.h0 + h) * G + i0 + i) * D;
+        };
+
+        k_order.for_each(visible, [&](int64_t h, int64_t j0, int64_t c) {
           const float* q[kRowsAtOnce];
-          float* acc[kRowsAtOnce];
-          for (int i = 0; i < group_rows; ++i) {
-            q[i] = pr.q + ((w.b * pr.n_queries + s) * pr.n_heads + (w.h0 + h) * G + i0 + i) * D;
-            acc[i] = acc_all + (r0 + i) * D;
+          for (int i = 0; i < group_rows; ++i) q[i] = q_row(h, i);
+          const void* const* keys = block.k + h * kKeyBlock;
+          if (prefetch_k && first_pass) {
+            prefetch_piece_after(k_order, block.k, n, next.k, n_next, h, j0, k_bytes);
           }
-          for (int64_t j0 = 0; j0 < visible; j0 += k_chunk) {
-            const int64_t c = std::min(k_chunk, visible - j0);
-            if (prefetch_k && first_pass) prefetch_chunk_after(keys, n, k_ahead, ahead_n, j0, k_chunk, k_bytes);
-            score_block<Ops, kCopies, T>(pr.k.format, q, group_rows, keys + j0, c, D, sc.scores + j0);
-          }
+          score_block<Ops, kCopies, T>(pr.k.format, q, group_rows, keys + j0, c, D,
+                                       scores_all + h * kHeadScores + j0);
+        });
+        for (int64_t h = 0; h < w.nh; ++h) {
+          const float* k_scales = pr.k.quantized() ? block.k_scales + h * kKeyBlock : nullptr;
+          const float* v_scales = pr.v.quantized() ? block.v_scales + h * kKeyBlock : nullptr;
           for (int i = 0; i < group_rows; ++i) {
-            float* scores = sc.scores + i * kKeyBlock;
+            float* scores = scores_all + h * kHeadScores + i * kKeyBlock;
             if (k_scales != nullptr) multiply_by(scores, k_scales, visible);
-            const int64_t r = r0 + i;
+            const int64_t r = r0(h) + i;
+            float* acc = acc_all + r * D;
             const float block_max = Ops::max(scores, visible);
             if (block_max > max[r]) {
               const float correction = std::exp(max[r] - block_max);  // 0 on the first block
               sum[r] *= correction;
-              Ops::scale(acc[i], correction, D);
+              Ops::scale(acc, correction, D);
               max[r] = block_max;
             }
             sum[r] += Ops::exp_sum(scores, visible, max[r]);
             if (v_scales != nullptr) multiply_by(scores, v_scales, visible);  // the weight the codes need
           }
-          for (int64_t j0 = 0; j0 < visible; j0 += v_chunk) {
-            const int64_t c = std::min(v_chunk, visible - j0);
-            if (prefetch_v && first_pass) prefetch_chunk_after(values, n, v_ahead, ahead_n, j0, v_chunk, v_bytes);
-            accumulate_block<Ops, kCopies, T>(pr.v.format, acc, group_rows, values + j0, sc.scores + j0, c, D);
-          }
         }
+        v_order.for_each(visible, [&](int64_t h, int64_t j0, int64_t c) {
+          float* acc[kRowsAtOnce];
+          for (int i = 0; i < group_rows; ++i) acc[i] = acc_all + (r0(h) + i) * D;
+          const void* const* values = block.v + h * kKeyBlock;
+          if (prefetch_v && first_pass) {
+            prefetch_piece_after(v_order, block.v, n, next.v, n_next, h, j0, v_bytes);
+          }
+          accumulate_block<Ops, kCopies, T>(pr.v.format, acc, group_rows, values + j0,
+                                            scores_all + h * kHeadScores + j0, c, D);
+        });
       }
     }
     std::swap(block, next);

@@ -1,16 +1,17 @@
 // Software prefetch in the CPU attention kernel: which sides are read
-// ahead, and in what pieces. The kernel reads one kv head of a key block at
-// a time, a chunk of about kPrefetchChunkBytes at a time; before each chunk
-// it asks for the chunk it reads after that one (the head's next, or the
-// first of the next head, or of the next block's first head). A burst of a
-// whole block's lines, as before, filled the core's miss buffers and stalled
-// the arithmetic behind it (bench/NOTES.md, "Reading one chunk ahead").
+// ahead, and in what pieces. The kernel reads a key block one piece (one kv
+// head's chunk of tokens, at most 8) at a time, in a PieceOrder; before each
+// piece it asks for the piece it reads after that one (or for the next
+// block's first). A burst of a whole block's lines, as before, filled the
+// core's miss buffers and stalled the arithmetic behind it (bench/NOTES.md,
+// "Reading one chunk ahead").
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
 
+#include "pagedkv/attention/constants.hpp"
 #include "pagedkv/layouts.hpp"
 
 namespace pagedkv {
@@ -50,18 +51,58 @@ inline void prefetch_rows(const void* const* rows,  // [n]
   for (int64_t j = 0; j < n; ++j) prefetch_bytes(rows[j], bytes);
 }
 
-/// Prefetches the chunk read after rows [j0, j0 + chunk) of a head: rows
-/// [j0 + chunk, j0 + 2 chunk) of the same head, else the first chunk of
-/// the head read after it (`ahead`, of which `ahead_n` rows are located).
-inline void prefetch_chunk_after(const void* const* rows,  // [n]: this head's
+/// The order in which the kernel reads one side of a key block, a piece
+/// (one head's rows [j0, j0 + chunk)) at a time: head by head, each head's
+/// chunks in a row, or (token_major) chunk by chunk, every head of a chunk
+/// in a row.
+struct PieceOrder {
+  bool token_major;  ///< chunks outer, heads inner
+  int64_t heads;     ///< kv heads of the work item
+  int64_t chunk;     ///< tokens per piece
+
+  /// Calls f(head, j0, count) for each piece of a block's first n tokens.
+  template <class F>
+  void for_each(int64_t n, F&& f) const {
+    if (token_major) {
+      for (int64_t j0 = 0; j0 < n; j0 += chunk)
+        for (int64_t h = 0; h < heads; ++h) f(h, j0, std::min(chunk, n - j0));
+    } else {
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t j0 = 0; j0 < n; j0 += chunk) f(h, j0, std::min(chunk, n - j0));
+    }
+  }
+
+  /// The piece read after (h, j0) in a block of n tokens; false when that
+  /// is the next block's first.
+  bool next_in_block(int64_t n, int64_t& h, int64_t& j0) const noexcept {
+    if (token_major) {
+      if (++h == heads) {
+        h = 0;
+        j0 += chunk;
+      }
+    } else {
+      j0 += chunk;
+      if (j0 >= n) {
+        j0 = 0;
+        ++h;
+      }
+    }
+    return h < heads && j0 < n;
+  }
+};
+
+/// Prefetches the piece read after piece (h, j0) of a block: in `rows`,
+/// else the next block's first (head 0, in `next_rows`, of which n_next
+/// rows are located).
+inline void prefetch_piece_after(const PieceOrder& order,
+                                 const void* const* rows,       // [heads, kKeyBlock]: this block's
                                  int64_t n,
-                                 const void* const* ahead,  // [ahead_n]: the next head's
-                                 int64_t ahead_n, int64_t j0, int64_t chunk, int64_t bytes) noexcept {
-  const int64_t j1 = j0 + chunk;
-  if (j1 < n) {
-    prefetch_rows(rows + j1, std::min(chunk, n - j1), bytes);
+                                 const void* const* next_rows,  // [heads, kKeyBlock]: the next block's
+                                 int64_t n_next, int64_t h, int64_t j0, int64_t bytes) noexcept {
+  if (order.next_in_block(n, h, j0)) {
+    prefetch_rows(rows + h * kKeyBlock + j0, std::min(order.chunk, n - j0), bytes);
   } else {
-    prefetch_rows(ahead, std::min(chunk, ahead_n), bytes);
+    prefetch_rows(next_rows, std::min(order.chunk, n_next), bytes);
   }
 }
 
@@ -94,10 +135,13 @@ inline bool prefetches_side(const PageGeometry& g, int64_t elem_size) {
 }
 
 /// Tokens per chunk when a side is read ahead: kPrefetchChunkBytes of its
-/// vectors, a multiple of 4 (the score loop's keys per pass), at least 4.
+/// vectors, a multiple of 4 (the score loop's keys per pass), from 4 to 8.
+/// More than 8 rows per chunk was slower even where they are short: fp8
+/// rows of 128 bytes read 16 at a time took 20 % longer than 8 at a time
+/// on NHD pages, 3-5 % on HND (bench/NOTES.md, "Token-major pieces").
 inline int64_t read_ahead_chunk(int64_t head_dim, int64_t elem_size) noexcept {
   const int64_t tokens = kPrefetchChunkBytes / (head_dim * elem_size);
-  return tokens < 4 ? 4 : tokens / 4 * 4;
+  return tokens < 4 ? 4 : tokens >= 8 ? 8 : 4;
 }
 
 }  // namespace attention_kernels
