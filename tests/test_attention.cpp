@@ -328,6 +328,33 @@ TEST_P(AttentionTest, ChunkedPrefillOnTopOfAPrefixWrittenThroughTheView) {
   });
 }
 
+// A decode or short chunk takes every kv head in one work item; with 8 of
+// them (the benchmark's geometry), NHD blocks are read chunk by chunk, all
+// 8 heads of a chunk in a row, each head's scores in its own scratch row
+// (PieceOrder). Lengths end mid-chunk and mid-block; quantized pages go the
+// same way (test_quantized).
+TEST_P(AttentionTest, EightKvHeadsInOneItemMatchReference) {
+  for (auto isa : isas_to_test()) {
+    const pagedkv::attention_kernels::ScopedIsa scoped_isa(isa);
+    for (at::ScalarType dtype : {at::kHalf, at::kBFloat16}) {
+      for (int64_t group : {4, 8}) {
+        for (int64_t n_queries : {1, 2}) {
+          for_each_layout([&](auto layout) {
+            using L = decltype(layout);
+            Filled<L> f({n_queries, 45, 77}, 16, 8, 128, opts(dtype), at::kLong, 300 + group + n_queries);
+            const at::Tensor q = at::randn({3, n_queries, 8 * group, 128}).to(opts(dtype));
+            const at::Tensor out = paged_attention(f.cache.bind(f.page_table, f.lengths), 1, q);
+            const double scale = 1.0 / std::sqrt(128.0);
+            EXPECT_LT(rel_error(out, reference(q, f.k, f.v, scale)), tolerance(dtype))
+                << L::name << " " << dtype << " G=" << group << " Sq=" << n_queries
+                << " isa=" << pagedkv::attention_kernels::isa_name(isa);
+          });
+        }
+      }
+    }
+  }
+}
+
 TEST_P(AttentionTest, LongContextsSplitAcrossThreadsMatch) {
   // Forces a multi-thread plan so that the split/merge path runs whatever
   // the machine (OpenMP: the thread count may change between regions).
