@@ -134,14 +134,14 @@ inline bool prefetches_side(const PageGeometry& g, int64_t elem_size) {
   return run_tokens * g.head_dim * elem_size < hardware_streamed_run_bytes();
 }
 
-/// Tokens per chunk when a side is read ahead: kPrefetchChunkBytes of its
-/// vectors, a multiple of 4 (the score loop's keys per pass), from 4 to 8.
+/// Tokens per chunk when a side is read ahead: 8 where kPrefetchChunkBytes
+/// hold 8 of its vectors, else 4 (the score loop's keys per pass).
 /// More than 8 rows per chunk was slower even where they are short: fp8
 /// rows of 128 bytes read 16 at a time took 20 % longer than 8 at a time
 /// on NHD pages, 3-5 % on HND (bench/NOTES.md, "Token-major pieces").
 inline int64_t read_ahead_chunk(int64_t head_dim, int64_t elem_size) noexcept {
   const int64_t tokens = kPrefetchChunkBytes / (head_dim * elem_size);
-  return tokens < 4 ? 4 : tokens >= 8 ? 8 : 4;
+  return tokens >= 8 ? 8 : 4;
 }
 
 }  // namespace attention_kernels
