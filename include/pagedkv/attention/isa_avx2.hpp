@@ -134,6 +134,15 @@ struct Avx2 {
     return _mm256_load_ps(buffer);
   }
 
+  /// v, kept in a register. g++ otherwise folds a load that several FMAs
+  /// use into each of them as a memory operand: the score loop then loaded
+  /// each query vector once per key, 10 loads per 8 FMAs, and waited on the
+  /// load ports (bench/NOTES.md, "Query vectors in registers").
+  PAGEDKV_TARGET_AVX2 static __m256 in_register(__m256 v) noexcept {
+    __asm__("" : "+x"(v));
+    return v;
+  }
+
   /// [sum(s0), sum(s1), sum(s2), sum(s3)].
   PAGEDKV_TARGET_AVX2 static __m128 sum4(__m256 s0, __m256 s1, __m256 s2, __m256 s3) noexcept {
     const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
@@ -170,9 +179,11 @@ struct Avx2 {
       for (int r = 0; r < 4; ++r) acc[k][r] = _mm256_setzero_ps();
     int64_t d = 0;
     for (; d + 8 <= head_dim; d += 8) {
+      __m256 q_d[R];
+      for (int r = 0; r < R; ++r) q_d[r] = in_register(_mm256_loadu_ps(q[r] + d));
       for (int k = 0; k < K; ++k) {
         const __m256 key = load8(row_as<E>(keys[k]) + d);
-        for (int r = 0; r < R; ++r) acc[k][r] = _mm256_fmadd_ps(key, _mm256_loadu_ps(q[r] + d), acc[k][r]);
+        for (int r = 0; r < R; ++r) acc[k][r] = _mm256_fmadd_ps(key, q_d[r], acc[k][r]);
       }
     }
     if (d < head_dim) {
