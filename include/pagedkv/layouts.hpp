@@ -60,6 +60,11 @@ struct PageGeometry {
     return token * token_stride + head * head_stride;
   }
 
+  /// Whether a token's heads lie nearer each other than a head's tokens
+  /// (NHD): a page is then read in memory order token by token, every head
+  /// of a token in a row; otherwise (HND) head by head.
+  bool heads_adjacent() const noexcept { return head_stride < token_stride; }
+
   template <class Layout>
   static PageGeometry of(int64_t page_size, int64_t n_heads, int64_t head_dim) {
     return {page_size,

@@ -145,12 +145,12 @@ void dequantize_block(attention_kernels::Isa isa, const typename quant::Codec<F>
     quant::dequantize_row<F>(isa, codes + g.offset(t, h), D, scales[sg.offset(t, h)],
                              out + (t * g.n_heads + h) * D, buf, stream);
   };
-  if (g.head_stride > g.token_stride) {
-    for (int64_t h = 0; h < g.n_heads; ++h)
-      for (int64_t t = 0; t < tokens; ++t) dequantize(t, h);
-  } else {
+  if (g.heads_adjacent()) {
     for (int64_t t = 0; t < tokens; ++t)
       for (int64_t h = 0; h < g.n_heads; ++h) dequantize(t, h);
+  } else {
+    for (int64_t h = 0; h < g.n_heads; ++h)
+      for (int64_t t = 0; t < tokens; ++t) dequantize(t, h);
   }
 }
 

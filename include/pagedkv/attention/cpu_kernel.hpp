@@ -333,7 +333,7 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
   // token's heads are adjacent (NHD), every head of a chunk before the next
   // chunk, so that the block is read a few KiB of memory at a time, in
   // order; otherwise (HND) one head's chunks in a row, which is already so.
-  const bool token_major = pr.g.head_stride < pr.g.token_stride;
+  const bool token_major = pr.g.heads_adjacent();
   const PieceOrder k_order{token_major, w.nh, k_chunk};
   const PieceOrder v_order{token_major, w.nh, v_chunk};
   float* const scores_all = sc.scores.data();  // [nh, kRowsAtOnce, kKeyBlock]
