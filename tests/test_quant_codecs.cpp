@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "pagedkv/quant_codecs.hpp"
@@ -359,6 +360,62 @@ void expect_dequantize_matches_decode_then_narrow() {
       }
     }
   }
+}
+
+/// quantize_rows from fp16 / bf16 rows of random bit patterns of one kind
+/// (finite, with a NaN, with an infinity, subnormal, signed zeros) on each
+/// of `isas` against quantize_loop of the widened floats. The AVX2 amax
+/// reads these rows' bits (amax_bits16_avx2): the largest magnitude may sit
+/// anywhere, in the 32-, the 16- or the scalar tail loop, and a NaN sends a
+/// row to the widening loop.
+template <KVFormat F, class T>
+void expect_random_rows_match_scalar(const std::vector<Isa>& isas) {
+  using Code = typename quant::Codec<F>::Code;
+  const uint16_t infinity = std::is_same<T, c10::Half>::value ? 0x7C00 : 0x7F80;
+  std::mt19937 rng(29);
+  const auto finite_bits = [&] {
+    for (;;) {
+      const auto b = static_cast<uint16_t>(rng());
+      if ((b & 0x7FFF) < infinity) return b;
+    }
+  };
+  for (const int64_t n : {1, 15, 16, 17, 31, 32, 33, 48, 128, 131}) {
+    for (int kind = 0; kind < 5; ++kind) {
+      for (int trial = 0; trial < 200; ++trial) {
+        std::vector<T> x(static_cast<size_t>(n));
+        for (T& v : x) {
+          const uint16_t sign = rng() & 0x8000;
+          const uint16_t bits = kind == 3 ? static_cast<uint16_t>(sign | (rng() & 0x7F))  // subnormal or zero
+                                : kind == 4 ? sign                                       // +-0
+                                            : finite_bits();
+          v = T(bits, T::from_bits());
+        }
+        const auto at = static_cast<size_t>(rng() % static_cast<uint32_t>(n));
+        if (kind == 1) x[at] = T(static_cast<uint16_t>((rng() & 0x8000) | (infinity + 1 + rng() % 0x7F)), T::from_bits());
+        if (kind == 2) x[at] = T(static_cast<uint16_t>((rng() & 0x8000) | infinity), T::from_bits());
+        std::vector<float> widened(x.size());
+        for (size_t i = 0; i < x.size(); ++i) widened[i] = static_cast<float>(x[i]);
+        std::vector<Code> want(x.size());
+        const float want_scale = quant::quantize_loop<F>(widened.data(), n, want.data());
+        for (const Isa isa : isas) {
+          std::vector<Code> got(x.size(), Code{1});
+          float got_scale = -1.0f;
+          quant::quantize_rows<F>(isa, x.data(), n, 1, n, got.data(), n, &got_scale, 1);
+          ASSERT_EQ(quant::float_bits(got_scale), quant::float_bits(want_scale))
+              << pagedkv::attention_kernels::isa_name(isa) << " n " << n << " kind " << kind << " trial " << trial;
+          ASSERT_EQ(got, want) << pagedkv::attention_kernels::isa_name(isa) << " n " << n << " kind " << kind;
+        }
+      }
+    }
+  }
+}
+
+TEST(VectorPaths, QuantizeRowsOfRandomFp16AndBf16BitsAgreeOnEveryPath) {
+  const std::vector<Isa> isas = pagedkv::attention_kernels::available_isas();
+  expect_random_rows_match_scalar<KVFormat::fp8_e4m3, c10::Half>(isas);
+  expect_random_rows_match_scalar<KVFormat::int8, c10::Half>(isas);
+  expect_random_rows_match_scalar<KVFormat::fp8_e4m3, c10::BFloat16>(isas);
+  expect_random_rows_match_scalar<KVFormat::int8, c10::BFloat16>(isas);
 }
 
 TEST(VectorPaths, DequantizeRowIsDecodeThenNarrowOnEveryPath) {
