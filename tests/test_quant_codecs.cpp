@@ -391,7 +391,8 @@ void expect_random_rows_match_scalar(const std::vector<Isa>& isas) {
           v = T(bits, T::from_bits());
         }
         const auto at = static_cast<size_t>(rng() % static_cast<uint32_t>(n));
-        if (kind == 1) x[at] = T(static_cast<uint16_t>((rng() & 0x8000) | (infinity + 1 + rng() % 0x7F)), T::from_bits());
+        const auto nan_bits = static_cast<uint16_t>((rng() & 0x8000) | (infinity + 1 + rng() % 0x7F));
+        if (kind == 1) x[at] = T(nan_bits, T::from_bits());
         if (kind == 2) x[at] = T(static_cast<uint16_t>((rng() & 0x8000) | infinity), T::from_bits());
         std::vector<float> widened(x.size());
         for (size_t i = 0; i < x.size(); ++i) widened[i] = static_cast<float>(x[i]);

@@ -307,14 +307,16 @@ PAGEDKV_TARGET_AVX2 inline __m256i encode_e4m3_magnitude_x8(__m256 y_times_256) 
 
 /// encode_e4m3 of 8 values y, given as y x 2^8, as int32 lanes in [0, 255].
 PAGEDKV_TARGET_AVX2 inline __m256i encode_e4m3_x8(__m256 y_times_256) {
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(y_times_256), 24), _mm256_set1_epi32(0x80));
+  const __m256i bits = _mm256_castps_si256(y_times_256);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
   return _mm256_or_si256(sign, encode_e4m3_magnitude_x8(y_times_256));
 }
 
 /// The sign bits of 32 fp16 or bf16 values, as bytes 0x80 / 0x00 in order:
 /// an fp8 code's sign is its input's (x / scale, scale > 0 and finite; a
-/// NaN input keeps its sign through the division), so from 16-bit inputs the encoder takes it 32 at a time here, 5
-/// operations, instead of 3 per 8 lanes from the quotients.
+/// NaN input keeps its sign through the division), so from 16-bit inputs
+/// the encoder takes it 32 at a time here, 5 operations, instead of 3 per 8
+/// lanes from the quotients.
 template <class T>
 PAGEDKV_TARGET_AVX2 inline __m256i sign_bytes_x32(const T* x) {  // x: [32]
   const __m256i s0 = _mm256_srai_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), 15);
@@ -470,7 +472,7 @@ PAGEDKV_TARGET_AVX2 inline __m256i magnitude_bits16(const T* x) {  // x: [16]
 /// amax_loop of fp16 or bf16 on AVX2, on the elements' bits: without NaN,
 /// magnitude bits (x & 0x7FFF) order as the magnitudes do, so the largest
 /// magnitude is the unsigned 16-bit max of them, widened once, where
-/// widening every element made amax a third of an int8 quantize. A NaN's
+/// widening every element made amax a quarter of an int8 quantize. A NaN's
 /// magnitude bits exceed infinity's; a row with one (rare) takes the
 /// widening loop, which ignores NaN as amax_loop does.
 template <class T>
@@ -490,7 +492,8 @@ PAGEDKV_TARGET_AVX2 float amax_bits16_avx2(const T* x, int64_t n) {  // x: [n]
   const __m128i m8 = _mm_max_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
   // The largest of 8 lanes: SSE4.1 finds the smallest, here of their complements.
   const __m128i all_ones = _mm_set1_epi16(-1);
-  auto largest = static_cast<uint16_t>(_mm_extract_epi16(_mm_xor_si128(_mm_minpos_epu16(_mm_xor_si128(m8, all_ones)), all_ones), 0));
+  const __m128i smallest_complement = _mm_minpos_epu16(_mm_xor_si128(m8, all_ones));
+  auto largest = static_cast<uint16_t>(~_mm_extract_epi16(smallest_complement, 0));
   for (; i < n; ++i) largest = std::max(largest, static_cast<uint16_t>(x[i].x & 0x7FFF));
   if (largest > kInfinityBits16<T>) return amax_widened_avx2(x, n);
   return widen_bits16(largest, T());
