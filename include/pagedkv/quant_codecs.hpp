@@ -212,7 +212,7 @@ inline void quantize_rows_grouped(const T* x, int64_t x_stride, int64_t count, i
 
 // ---- the logical dtype's rounding, shared by every path ----
 
-inline float bf16_to_float(c10::BFloat16 b) noexcept { return bits_float(static_cast<uint32_t>(b.x) << 16); }
+inline float bf16_to_float(c10::BFloat16 b) noexcept { return attention_kernels::bfloat16_to_float(b.x); }
 
 /// c10::BFloat16(float)'s rounding (round to nearest even; NaN -> 0x7FC0), branch-free.
 inline c10::BFloat16 float_to_bf16(float f) noexcept {
@@ -455,12 +455,10 @@ PAGEDKV_TARGET_AVX2 float amax_widened_avx2(const T* x, int64_t n) {  // x: [n]
 template <class T>
 constexpr uint16_t kInfinityBits16 = std::is_same<T, c10::Half>::value ? 0x7C00 : 0x7F80;
 
-/// The float32 value of a 16-bit float's bits.
-PAGEDKV_TARGET_AVX2 inline float widen_bits16(uint16_t bits, c10::Half /*tag*/) {
-  return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
-}
-PAGEDKV_TARGET_AVX2 inline float widen_bits16(uint16_t bits, c10::BFloat16 /*tag*/) {
-  return bits_float(static_cast<uint32_t>(bits) << 16);
+/// The float32 value of the bits of a 16-bit float T (fp16 or bf16).
+template <class T>
+inline float widen_bits16(uint16_t bits) noexcept {
+  return attention_kernels::to_float32(T(bits, T::from_bits()));
 }
 
 /// The magnitude bits (x & 0x7FFF) of 16 fp16 or bf16 values.
@@ -496,7 +494,7 @@ PAGEDKV_TARGET_AVX2 float amax_bits16_avx2(const T* x, int64_t n) {  // x: [n]
   auto largest = static_cast<uint16_t>(~_mm_extract_epi16(smallest_complement, 0));
   for (; i < n; ++i) largest = std::max(largest, static_cast<uint16_t>(x[i].x & 0x7FFF));
   if (largest > kInfinityBits16<T>) return amax_widened_avx2(x, n);
-  return widen_bits16(largest, T());
+  return widen_bits16<T>(largest);
 }
 
 /// amax_loop on AVX2.
