@@ -15,6 +15,7 @@
 #include <sstream>
 #include <vector>
 
+#include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_pool.hpp"
 #include "pagedkv/page_table.hpp"
@@ -48,6 +49,12 @@ inline void positive(const Caller& caller, const char* arg, int64_t value) {
 
 inline void non_negative(const Caller& caller, const char* arg, int64_t value) {
   TORCH_CHECK(value >= 0, caller, ": argument '", arg, "' expected >= 0, got ", value);
+}
+
+/// The side ("keys" or "values") of `cache` stored as fp8 e4m3 codes.
+inline void fp8_side(const Caller& caller, const char* side, KVFormat format) {
+  TORCH_CHECK(format == KVFormat::fp8_e4m3, caller, ": argument 'cache' expected ", side, " stored as ",
+              format_name(KVFormat::fp8_e4m3), ", got ", format_name(format));
 }
 
 inline bool is_index_type(at::ScalarType t) { return t == at::kInt || t == at::kLong; }

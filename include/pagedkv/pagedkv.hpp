@@ -6,6 +6,7 @@
 #include "pagedkv/bits.hpp"
 #include "pagedkv/bitmap.hpp"
 #include "pagedkv/cache_view.hpp"
+#include "pagedkv/float8_view.hpp"
 #include "pagedkv/checks.hpp"
 #include "pagedkv/kernels.hpp"
 #include "pagedkv/layouts.hpp"

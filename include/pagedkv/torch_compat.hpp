@@ -10,3 +10,12 @@
 /// True when the libtorch being compiled against is at least major.minor.
 #define PAGEDKV_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+/// 1 where the libtorch has the float8_e4m3fn dtype (2.1 and later), and
+/// with it pagedkv's k_cache_as_float8 / v_cache_as_float8
+/// (float8_view.hpp); 0 otherwise.
+#if PAGEDKV_TORCH_AT_LEAST(2, 1)
+#define PAGEDKV_HAS_TORCH_FLOAT8 1
+#else
+#define PAGEDKV_HAS_TORCH_FLOAT8 0
+#endif
