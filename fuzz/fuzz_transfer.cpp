@@ -5,11 +5,12 @@
 // is odd. The group is scripted (pagedkv's group type is a template
 // parameter): after the header, each payload receive gets a message of
 // exactly the size the header announced, or, from input bit 1 of the first
-// byte, the peer is gone.
+// byte, the peer is gone. Bit 2 of the first byte makes both caches
+// quantized (fp8 keys, int8 values: codes and scales travel).
 //
 // The harness aborts when recv_pages throws anything but c10::Error, posts a
 // payload buffer of another size than the header announced, throws having
-// changed the cache (storage, ref counts, n_free), or succeeds with pages
+// changed the cache (storage, scales, ref counts, n_free), or succeeds with pages
 // that are not fresh (ref count 1) or not as many as the header's tokens need.
 // Build and run: `make fuzz FUZZ_SECONDS=60` (fuzz/README.md).
 #include <ATen/ATen.h>
@@ -86,13 +87,16 @@ extern "C" int LLVMFuzzerInitialize(int* /*argc*/, char*** /*argv*/) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using Cache = pagedkv::PagedCache<pagedkv::HND>;
-  const pagedkv::PagedCache<pagedkv::NHD> sender(2, 8, 3, 4, 2, at::TensorOptions().dtype(at::kHalf));
-  Cache cache(2, 6, 3, 2, 2, at::TensorOptions().dtype(at::kHalf));
+  using pagedkv::KVFormat;
+  const uint8_t flags = size > 0 ? data[0] : 0;
+  const pagedkv::KVQuant quant =
+      (flags & 4) != 0 ? pagedkv::KVQuant{KVFormat::fp8_e4m3, KVFormat::int8} : pagedkv::KVQuant{};
+  const pagedkv::PagedCache<pagedkv::NHD> sender(2, 8, 3, 4, 2, at::TensorOptions().dtype(at::kHalf), quant);
+  Cache cache(2, 6, 3, 2, 2, at::TensorOptions().dtype(at::kHalf), quant);
   cache.alloc();  // page 0 held: the fresh pages start at 1
   ScriptedGroup group;
   // 7 tokens of heads [1, 3): a header the receiver accepts.
   group.header = pagedkv::transfer_detail::header_words(sender, 3, 7, /*transfer_id=*/5, pagedkv::HeadRange{1, 3});
-  const uint8_t flags = size > 0 ? data[0] : 0;
   for (size_t at = 1; at + 9 <= size; at += 9) {
     const size_t word = data[at] % static_cast<size_t>(w::kHeaderWords);
     int64_t value = 0;
@@ -108,6 +112,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   const at::Tensor k_before = cache.k_cache().clone();
   const at::Tensor v_before = cache.v_cache().clone();
+  const at::Tensor k_scales_before = quant.k == KVFormat::native ? at::Tensor() : cache.k_scales().clone();
+  const at::Tensor v_scales_before = quant.v == KVFormat::native ? at::Tensor() : cache.v_scales().clone();
   const int64_t free_before = cache.n_free();
   try {
     const std::vector<int64_t> pages = pagedkv::recv_pages(group, 0, cache, 5, std::chrono::milliseconds(1000));
@@ -121,7 +127,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (std::string(e.what_without_backtrace()).find("pagedkv::recv_pages<HND>") == std::string::npos) {
       fail(std::string("an error without the function: ") + e.what_without_backtrace());
     }
-    if (!at::equal(cache.k_cache(), k_before) || !at::equal(cache.v_cache(), v_before) ||
+    const bool scales_same = (!k_scales_before.defined() || at::equal(cache.k_scales(), k_scales_before)) &&
+                             (!v_scales_before.defined() || at::equal(cache.v_scales(), v_scales_before));
+    if (!at::equal(cache.k_cache(), k_before) || !at::equal(cache.v_cache(), v_before) || !scales_same ||
         cache.n_free() != free_before || cache.ref_count(0) != 1) {
       fail("a failed receive changed the cache");
     }

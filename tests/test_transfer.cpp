@@ -94,6 +94,33 @@ at::ScalarType dtype_of(const std::string& name) {
   return at::kFloat;
 }
 
+pagedkv::KVFormat format_of(const std::string& name) {
+  if (name == "fp8") return pagedkv::KVFormat::fp8_e4m3;
+  if (name == "int8") return pagedkv::KVFormat::int8;
+  return pagedkv::KVFormat::native;
+}
+
+/// The sender's formats (k_format, v_format: native, fp8, int8).
+pagedkv::KVQuant quant_of(const Spec& s) {
+  return {format_of(s.str("k_format", "native")), format_of(s.str("v_format", "native"))};
+}
+
+/// The receiver's formats (r_k_format, r_v_format; else the sender's).
+pagedkv::KVQuant r_quant_of(const Spec& s) {
+  return {format_of(s.r_str("k_format", "native")), format_of(s.r_str("v_format", "native"))};
+}
+
+/// Distinct values for a side's storage: elements, int8 codes, or fp8 codes
+/// (never the NaN codes 0x7F / 0xFF, so that gathers compare bit for bit).
+at::Tensor side_pattern(const at::Tensor& storage, int64_t seed) {
+  if (storage.scalar_type() != at::kByte && storage.scalar_type() != at::kChar) {
+    return pattern(storage.sizes(), seed, storage.options());
+  }
+  at::Tensor v = (at::arange(storage.numel(), at::kLong) * 7 + seed * 131) % 251;  // 0..250
+  v = storage.scalar_type() == at::kChar ? v - 125 : v - v.eq(127).to(at::kLong);
+  return v.to(storage.scalar_type()).view(storage.sizes());
+}
+
 /// Calls body(NHD{}) or body(HND{}).
 template <class Body>
 void with_layout(const std::string& name, Body&& body) {
@@ -112,10 +139,14 @@ int64_t pages_for(int64_t tokens, int64_t page_size) { return (tokens + page_siz
 template <class L>
 PagedCache<L> sender_cache(const Spec& s) {
   PagedCache<L> cache(s.num("layers", 3), s.num("pages", 16), s.num("page_size", 5), s.num("heads", 4),
-                      s.num("head_dim", 8), at::TensorOptions().dtype(dtype_of(s.str("dtype", "f32"))));
+                      s.num("head_dim", 8), at::TensorOptions().dtype(dtype_of(s.str("dtype", "f32"))), quant_of(s));
   cache.alloc_n(cache.n_pages());
-  cache.k_cache().copy_(pattern(cache.k_cache().sizes(), s.num("seed", 1), cache.k_cache().options()));
-  cache.v_cache().copy_(pattern(cache.v_cache().sizes(), s.num("seed", 1) + 7, cache.v_cache().options()));
+  cache.k_cache().copy_(side_pattern(cache.k_cache(), s.num("seed", 1)));
+  cache.v_cache().copy_(side_pattern(cache.v_cache(), s.num("seed", 1) + 7));
+  // Scales of quantized sides: positive and distinct.
+  const int64_t seed = s.num("seed", 1);
+  if (cache.k_scales().defined()) cache.k_scales().copy_(side_pattern(cache.k_scales(), seed + 3).abs() + 0.25);
+  if (cache.v_scales().defined()) cache.v_scales().copy_(side_pattern(cache.v_scales(), seed + 5).abs() + 0.25);
   return cache;
 }
 
@@ -137,7 +168,7 @@ PagedCache<L> receiver_cache(const Spec& s) {
   const int64_t width = (h.end == -1 ? s.num("heads", 4) : h.end) - h.begin;
   PagedCache<L> cache(s.r_num("layers", 3), s.num("r_pages", 16), s.r_num("page_size", 5),
                       s.num("r_heads", width), s.r_num("head_dim", 8),
-                      at::TensorOptions().dtype(dtype_of(s.r_str("dtype", "f32"))));
+                      at::TensorOptions().dtype(dtype_of(s.r_str("dtype", "f32"))), r_quant_of(s));
   std::vector<int64_t> all = cache.alloc_n(cache.n_pages());
   for (int64_t p = 0; p < cache.n_pages(); ++p) {
     if (p % 2 == 1 || p / 2 >= s.num("r_hold", 3)) cache.free(p);
@@ -177,6 +208,14 @@ std::string verify(const Spec& s, const PagedCache<L>& cache, const std::vector<
     }
   });
   return error;
+}
+
+/// Whether two snapshots hold the same scales (both undefined for a native side).
+bool same_scales(const CacheSnapshot& a, const CacheSnapshot& b) {
+  const auto same = [](const at::Tensor& x, const at::Tensor& y) {
+    return x.defined() == y.defined() && (!x.defined() || bitwise_equal(x, y));
+  };
+  return same(a.k_scales, b.k_scales) && same(a.v_scales, b.v_scales);
 }
 
 /// "" when `call` threw a c10::Error containing `expected` (or, with
@@ -220,7 +259,10 @@ std::string role_send(Group& group, const Spec& s) {
       });
     }
     const CacheSnapshot after(cache);
-    if (!bitwise_equal(after.k, before.k) || after.n_free != before.n_free) error += "; the sender's cache changed";
+    if (!bitwise_equal(after.k, before.k) || !bitwise_equal(after.v, before.v) || !same_scales(after, before) ||
+        after.n_free != before.n_free) {
+      error += "; the sender's cache changed";
+    }
   });
   return error;
 }
@@ -240,7 +282,8 @@ std::string role_recv(Group& group, const Spec& s) {
     });
     if (!s.str("r_expect").empty()) {
       const CacheSnapshot after(cache);
-      if (!bitwise_equal(after.k, before.k) || !bitwise_equal(after.v, before.v) || after.refs != before.refs) {
+      if (!bitwise_equal(after.k, before.k) || !bitwise_equal(after.v, before.v) || !same_scales(after, before) ||
+          after.refs != before.refs) {
         error += "; a failed receive changed the cache or pool";
       }
       return;
@@ -464,6 +507,8 @@ std::string role_recv_mismatches(Group& group, const Spec& s) {
       {"r_heads", "3", "n_kv_heads (the width of the sent head range) mismatch: expected 3"},
       {"r_id", "9", "wrong transfer id: expected 9, got 1"},
       {"r_pages", "4", "short pool: the transfer needs 3 pages, the pool has 2 free"},
+      {"r_k_format", "fp8", "k quantization (KVFormat) mismatch: expected fp8_e4m3 (this cache's), got native"},
+      {"r_v_format", "int8", "v quantization (KVFormat) mismatch: expected int8 (this cache's), got native"},
   };
   std::string error;
   for (const auto& c : cases) {
@@ -825,8 +870,21 @@ TEST(Transfer, TpHeadRangesAndRoutes) {
 
 TEST(Transfer, EveryMismatchIsRejectedOnBothSidesAndTheGroupStaysUsable) {
   Spec spec;
-  spec.set("dtype", "f16").set("repeat", 8).set("r_hold", 2);
+  spec.set("dtype", "f16").set("repeat", 10).set("r_hold", 2);
   EXPECT_EQ(run_world("recv_mismatches", {"send"}, spec), "");
+}
+
+TEST(Transfer, QuantizedPagesTravelWithTheirScales) {
+  const std::vector<std::pair<const char*, const char*>> formats{
+      {"fp8", "fp8"}, {"int8", "int8"}, {"fp8", "int8"}, {"native", "int8"}, {"fp8", "native"}};
+  for (const auto& f : formats) {
+    for (const char* r_layout : {"NHD", "HND"}) {
+      Spec spec;
+      spec.set("layout", "HND").set("r_layout", r_layout).set("dtype", "f16");
+      spec.set("k_format", f.first).set("v_format", f.second).set("tokens", 13);
+      EXPECT_EQ(run_world("recv", {"send"}, spec), "") << spec.text();
+    }
+  }
 }
 
 TEST(Transfer, AHeaderOfGarbageIsRejected) {
@@ -1029,25 +1087,121 @@ TEST(TransferInProcess, AHeadRangeFarOutsideIsRejectedBeforeItsWidthIsComputed) 
 }
 
 
-// Quantized pages do not travel yet (the payload carries one dtype): both
-// sides refuse before any message, and change nothing.
-TEST(TransferInProcess, QuantizedCachesThrowBeforeAnyMessage) {
-  PagedCache<NHD> cache(1, 4, 4, 2, 8, at::TensorOptions().dtype(at::kFloat),
-                        pagedkv::KVQuant{pagedkv::KVFormat::fp8_e4m3, pagedkv::KVFormat::int8});
-  const int64_t page = cache.alloc();
+/// A quantized spec: fp8 keys, int8 values, bf16 logical dtype, head_dim 3
+/// (odd, so that sections need padding), heads [1, 3) of 4.
+Spec quantized_spec() {
+  Spec spec;
+  spec.set("k_format", "fp8").set("v_format", "int8").set("dtype", "bf16").set("head_dim", 3);
+  spec.set("begin", 1).set("end", 3);
+  return spec;
+}
+
+TEST(TransferInProcess, QuantizedMessagesAreSectionsOfCodesAndScales) {
+  namespace w = pagedkv::transfer_wire;
+  const Spec spec = quantized_spec();
+  // A larger transfer first leaves codes in this thread's staging buffer,
+  // where the padding of the next one falls.
+  recorded_transfer(quantized_spec().set("head_dim", 5));
+  const std::vector<at::Tensor> messages = recorded_transfer(spec);
+  ASSERT_EQ(messages.size(), 1u + 3u);  // header + one message per layer
+  const std::vector<int64_t> header = pagedkv::transfer_detail::header_words(
+      sender_cache<NHD>(spec), 3, 13, 1, HeadRange{1, 3});
+  EXPECT_EQ(header[w::k_format], 1);
+  EXPECT_EQ(header[w::v_format], 2);
+  // Per page of the slice: 5 tokens x 2 heads; codes 3 bytes a vector, scales 4.
+  const int64_t codes = 3 * 5 * 2 * 3;  // 90 bytes per side: padded to 96
+  const int64_t scales = 3 * 5 * 2 * 4;  // 120: padded to 128
+  EXPECT_EQ(header[w::scale_bytes], 2 * 128);
+  EXPECT_EQ(header[w::payload_bytes], 3 * (2 * 96 + 2 * 128));
+  const PagedCache<NHD> sender = sender_cache<NHD>(spec);
+  const std::vector<int64_t> pages = sent_pages(spec);
+  for (int64_t layer = 0; layer < 3; ++layer) {
+    const at::Tensor m = messages[static_cast<size_t>(layer) + 1];
+    ASSERT_EQ(m.scalar_type(), at::kByte);
+    ASSERT_EQ(m.numel(), 2 * 96 + 2 * 128);
+    // The k section holds the slice's codes page by page, in the sender's layout.
+    const at::Tensor k_codes = sender.k_cache()[layer].index_select(0, ints(pages)).narrow(2, 1, 2);
+    EXPECT_TRUE(bitwise_equal(m.narrow(0, 0, codes), k_codes.reshape({-1}))) << "layer " << layer;
+    const at::Tensor v_codes = sender.v_cache()[layer].index_select(0, ints(pages)).narrow(2, 1, 2);
+    EXPECT_TRUE(bitwise_equal(m.narrow(0, 96, codes), v_codes.view(at::kByte).reshape({-1}))) << "layer " << layer;
+    const at::Tensor k_scales = sender.k_scales()[layer].view({16, 5, 4}).index_select(0, ints(pages)).narrow(2, 1, 2);
+    EXPECT_TRUE(bitwise_equal(m.narrow(0, 192, scales).view(at::kFloat), k_scales.reshape({-1}))) << "layer " << layer;
+    const at::Tensor v_scales = sender.v_scales()[layer].view({16, 5, 4}).index_select(0, ints(pages)).narrow(2, 1, 2);
+    EXPECT_TRUE(bitwise_equal(m.narrow(0, 320, scales).view(at::kFloat), v_scales.reshape({-1}))) << "layer " << layer;
+    // Padding is zeros, not what the staging buffer held before.
+    for (const int64_t pad : {int64_t{90}, int64_t{186}, int64_t{312}, int64_t{440}}) {
+      EXPECT_EQ(m.narrow(0, pad, pad == 90 || pad == 186 ? 6 : 8).sum().item<int64_t>(), 0) << "pad at " << pad;
+    }
+  }
+}
+
+TEST(TransferInProcess, QuantizedPagesRoundTripOnEveryPathAndLayout) {
+  for (const char* backend : {"automatic", "generic"}) {
+    for_each_layout([&](auto tag) {
+      using L = decltype(tag);
+      Spec spec = quantized_spec();
+      spec.set("backend", backend);
+      const pagedkv::ScopedBackend scoped(backend_of(spec));
+      FakeGroup receiver;
+      receiver.rank = 1;
+      receiver.inbox = recorded_transfer(spec);  // sent from NHD pages
+      PagedCache<L> cache = receiver_cache<L>(spec);
+      const std::vector<int64_t> pages = pagedkv::recv_pages(receiver, 0, cache, 1, kTimeout);
+      EXPECT_EQ(verify(spec, cache, pages), "") << backend << " " << L::name;
+      ASSERT_EQ(receiver.sent.size(), 1u);
+      EXPECT_EQ(receiver.sent[0][pagedkv::transfer_wire::verdict].item<int64_t>(), pagedkv::transfer_wire::accept);
+    });
+  }
+}
+
+TEST(TransferInProcess, AQuantizedReceiveFailingAtAnyMessageLeavesCodesAndScalesAsTheyWere) {
+  const Spec spec = quantized_spec();
+  const std::vector<at::Tensor> messages = recorded_transfer(spec);
+  for (size_t fail_at = 1; fail_at < messages.size(); ++fail_at) {
+    FakeGroup receiver;
+    receiver.rank = 1;
+    receiver.inbox = messages;
+    receiver.fail_at = fail_at;
+    PagedCache<HND> cache = receiver_cache<HND>(spec);
+    // Codes and scales of every page distinct from what arrives.
+    cache.k_cache().fill_(7);
+    cache.k_scales().fill_(3.0f);
+    cache.v_scales().fill_(5.0f);
+    const CacheSnapshot before(cache);
+    expect_error([&] { pagedkv::recv_pages(receiver, 0, cache, 1, kTimeout); },
+                 {"payload of transfer 1 from rank 0", "peer gone"});
+    before.expect_same(cache, "failure at message " + std::to_string(fail_at));
+  }
+}
+
+TEST(TransferInProcess, FormatsThatDifferAreRejectedNamingBoth) {
+  namespace w = pagedkv::transfer_wire;
+  const Spec spec = quantized_spec();
+  const std::vector<at::Tensor> messages = recorded_transfer(spec);
+  const std::vector<std::pair<std::string, std::string>> receivers{
+      {"native", "k quantization (KVFormat) mismatch: expected native (this cache's), got fp8_e4m3 (the sender's)"},
+      {"int8", "k quantization (KVFormat) mismatch: expected int8 (this cache's), got fp8_e4m3 (the sender's)"}};
+  for (const auto& r : receivers) {
+    Spec mine = spec;
+    mine.set("r_k_format", r.first);
+    FakeGroup receiver;
+    receiver.rank = 1;
+    receiver.inbox = messages;
+    PagedCache<NHD> cache = receiver_cache<NHD>(mine);
+    const CacheSnapshot before(cache);
+    expect_error([&] { pagedkv::recv_pages(receiver, 0, cache, 1, kTimeout); }, {r.second});
+    before.expect_same(cache);
+    EXPECT_EQ(receiver.received, 1u);  // the header only
+    ASSERT_EQ(receiver.sent.size(), 1u);
+    EXPECT_EQ(receiver.sent[0][w::verdict].item<int64_t>(), w::mismatch);
+  }
+  // A native sender and a quantized receiver: the sender learns of the mismatch too.
   FakeGroup sender;
-  expect_error([&] { pagedkv::send_pages(sender, 1, cache, ints({page}), 4, 1, kTimeout); },
-               {"pagedkv::send_pages<NHD>: argument 'cache' expected native pages", "K fp8_e4m3, V int8"});
-  EXPECT_TRUE(sender.sent.empty());
-  FakeGroup receiver;
-  receiver.rank = 1;
-  receiver.inbox = recorded_transfer(Spec());
-  const CacheSnapshot before(cache);
-  expect_error([&] { pagedkv::recv_pages(receiver, 0, cache, 1, kTimeout); },
-               {"pagedkv::recv_pages<NHD>: argument 'cache' expected native pages"});
-  EXPECT_EQ(receiver.received, 0u);
-  EXPECT_TRUE(receiver.sent.empty());
-  before.expect_same(cache);
+  sender.inbox.push_back(ints({w::kReplyMagic, w::mismatch, 1, 0}));
+  const PagedCache<NHD> native = sender_cache<NHD>(Spec());
+  expect_error([&] { pagedkv::send_pages(sender, 1, native, ints(sent_pages(Spec())), 13, 1, kTimeout); },
+               {"rejected: mismatch", "quantization"});
+  EXPECT_EQ(sender.sent.size(), 1u);  // the header, no payload
 }
 
 }  // namespace

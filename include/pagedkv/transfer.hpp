@@ -13,7 +13,11 @@
 //              the group stays usable.
 //   3. S -> R  payload, one message per layer (k then v of every page, the
 //              head slice only, in the sender's page layout); R posts buffers
-//              of exactly the sizes the header announced.
+//              of exactly the sizes the header announced. A cache with a
+//              quantized side sends bytes instead: per layer the k and v
+//              sections (codes, or the native side's elements), then the
+//              scales of each quantized side, every section starting at a
+//              multiple of transfer_wire::kSectionAlign bytes.
 // The payload lands in a staging buffer and is copied into the receiver's
 // fresh pages only once every message has arrived: no page is ever half
 // written, and on any failure the fresh pages are freed.
@@ -134,11 +138,10 @@ constexpr int kHeaderTag = 0x5044;
 constexpr int kReplyTag = 0x5045;
 constexpr int kPayloadTag = 0x5046;
 
-/// Header word indices. Quantization (KVFormat) travels in k_format /
-/// v_format (0 = native, the only value today) and the scale bytes in
-/// scale_bytes (0 today): adding quantized pages fills them, and the
-/// payload grows by the scales after each layer's codes, without a new
-/// header size.
+/// Header word indices. Quantization travels in k_format / v_format (the
+/// KVFormat values: 0 native, 1 fp8_e4m3, 2 int8) and the bytes of each
+/// layer's scale sections in scale_bytes (0 for native pages, whose payload
+/// is as it was before quantized pages travelled).
 enum Field : int64_t {
   magic,
   version,
@@ -149,15 +152,15 @@ enum Field : int64_t {
   sender_heads,  // the sender cache's n_kv_heads
   head_begin,    // the slice sent: [head_begin, head_end) of the sender's heads
   head_end,
-  dtype,         // c10::ScalarType value
-  elem_size,
-  k_format,      // KVFormat, 0 = native
+  dtype,         // c10::ScalarType value of the logical dtype (what write takes)
+  elem_size,     // of that dtype
+  k_format,      // KVFormat value, 0 = native
   v_format,
   layout,        // of the payload's pages: 0 = NHD, 1 = HND
   n_tokens,
   n_pages,
   payload_bytes,  // all messages together
-  scale_bytes,    // per layer, reserved for quantized pages: 0
+  scale_bytes,    // per layer: the scale sections of quantized pages, 0 for native ones
   first_reserved,  // this word up to the checksum: 0 in version 1
   checksum = kHeaderWords - 1,
 };
@@ -186,6 +189,14 @@ inline kernels::BlockStrides page_strides(int64_t code, int64_t page_size, int64
   if (code == 1) return {head_dim * es, page_size * head_dim * es, es};
   return {width * head_dim * es, head_dim * es, es};
 }
+
+/// Sections of a quantized payload message (k, v, k scales, v scales) start
+/// at multiples of this many bytes, so that each can be viewed as its
+/// element type wherever it lies.
+constexpr int64_t kSectionAlign = 16;
+
+/// `bytes` rounded up to a multiple of kSectionAlign.
+constexpr int64_t padded(int64_t bytes) { return (bytes + kSectionAlign - 1) / kSectionAlign * kSectionAlign; }
 
 }  // namespace transfer_wire
 
@@ -258,6 +269,87 @@ inline int64_t slice_bytes(int64_t page_size, int64_t width, int64_t head_dim, i
   return page_size * width * head_dim * es;
 }
 
+/// Where the sections of one layer's message lie when the cache has a
+/// quantized side (byte offsets into the message; transfer_wire).
+struct LayerSections {
+  int64_t elements[2];    ///< k, v: codes, or a native side's elements
+  int64_t scales[2];      ///< k, v scales; -1 for a native side
+  int64_t element_bytes[2];
+  int64_t scale_bytes[2];  ///< 0 for a native side
+  int64_t all_scale_bytes;  ///< both scale sections, padded: the header's scale_bytes
+  int64_t bytes;            ///< the whole message
+};
+
+/// The sections of a message carrying n pages' slices of `width` heads.
+template <class Layout>
+LayerSections layer_sections(const PagedCache<Layout>& cache, int64_t n, int64_t width) {
+  namespace w = transfer_wire;
+  const at::Tensor* pages[2] = {&cache.k_cache(), &cache.v_cache()};
+  const bool quantized[2] = {is_quantized(cache.quant().k), is_quantized(cache.quant().v)};
+  LayerSections s{};
+  int64_t at = 0;
+  for (int kv = 0; kv < 2; ++kv) {
+    s.elements[kv] = at;
+    s.element_bytes[kv] = n * slice_bytes(cache.page_size(), width, cache.head_dim(),
+                                          static_cast<int64_t>(pages[kv]->element_size()));
+    at += w::padded(s.element_bytes[kv]);
+  }
+  const int64_t scales_begin = at;
+  for (int kv = 0; kv < 2; ++kv) {
+    s.scales[kv] = quantized[kv] ? at : -1;
+    s.scale_bytes[kv] = quantized[kv] ? n * slice_bytes(cache.page_size(), width, 1, sizeof(float)) : 0;
+    at += w::padded(s.scale_bytes[kv]);
+  }
+  s.all_scale_bytes = at - scales_begin;
+  s.bytes = at;
+  return s;
+}
+
+/// Bytes of every message of a transfer of n pages' slices of `width` heads.
+template <class Layout>
+int64_t payload_bytes(const PagedCache<Layout>& cache, int64_t n, int64_t width) {
+  if (is_quantized(cache.quant())) return cache.n_layers() * layer_sections(cache, n, width).bytes;
+  const int64_t es = static_cast<int64_t>(c10::elementSize(cache.dtype()));
+  return cache.n_layers() * 2 * n * slice_bytes(cache.page_size(), width, cache.head_dim(), es);
+}
+
+/// Byte strides of one page of scales of `g` (a float32 per token and head,
+/// in the order of the layout's head vectors).
+inline kernels::BlockStrides scale_page_strides(const PageGeometry& g) {
+  constexpr int64_t f = sizeof(float);
+  return {g.token_stride / g.head_dim * f, g.head_stride / g.head_dim * f, f};
+}
+
+/// One side of a cache as the transfer copies it: a view of each page as
+/// [page_size, heads, vector] blocks, `vector` elements of `elem_size` bytes
+/// (head vectors of the pages, or a single scale).
+struct SidePart {
+  const at::Tensor* storage;  // [n_layers, n_pages, ...]: the pages, or the scales
+  kernels::BlockStrides page; ///< byte strides of one page's block
+  int64_t page_bytes;         ///< bytes between pages
+  int64_t head_bytes;         ///< bytes between heads (page.head), for the slice's start
+  int64_t vector;             ///< elements per (token, head): head_dim, or 1 for scales
+  int64_t elem_size;
+};
+
+/// The parts of side kv (0: k, 1: v) of `cache`: its pages, then its scales
+/// when it is quantized.
+template <class Layout>
+std::vector<SidePart> side_parts(const PagedCache<Layout>& cache, int kv) {
+  const PageGeometry& g = cache.geometry();
+  const at::Tensor& pages = kv == 0 ? cache.k_cache() : cache.v_cache();
+  const at::Tensor& scales = kv == 0 ? cache.k_scales() : cache.v_scales();
+  const auto es = static_cast<int64_t>(pages.element_size());
+  const kernels::BlockStrides page = kernels::page_strides(g, es);
+  std::vector<SidePart> parts{{&pages, page, g.page_elems * es, page.head, g.head_dim, es}};
+  if (scales.defined()) {
+    const kernels::BlockStrides scale = scale_page_strides(g);
+    parts.push_back({&scales, scale, g.page_size * g.n_heads * static_cast<int64_t>(sizeof(float)), scale.head, 1,
+                     sizeof(float)});
+  }
+  return parts;
+}
+
 /// The int64 words of a small host tensor on the wire device.
 inline at::Tensor words_on(const std::vector<int64_t>& words, const at::Device& device) {
   at::Tensor t = at::empty({static_cast<int64_t>(words.size())}, at::kLong);
@@ -305,7 +397,7 @@ template <class Layout>
 std::vector<int64_t> header_words(const PagedCache<Layout>& cache, int64_t n, int64_t n_tokens, int64_t transfer_id,
                                   HeadRange heads) {
   namespace w = transfer_wire;
-  const int64_t es = static_cast<int64_t>(cache.k_cache().element_size());
+  const int64_t width = heads.end - heads.begin;
   std::vector<int64_t> h(static_cast<size_t>(w::kHeaderWords), 0);
   h[w::magic] = w::kMagic;
   h[w::version] = w::kVersion;
@@ -316,13 +408,15 @@ std::vector<int64_t> header_words(const PagedCache<Layout>& cache, int64_t n, in
   h[w::sender_heads] = cache.n_kv_heads();
   h[w::head_begin] = heads.begin;
   h[w::head_end] = heads.end;
-  h[w::dtype] = static_cast<int64_t>(cache.k_cache().scalar_type());
-  h[w::elem_size] = es;
+  h[w::dtype] = static_cast<int64_t>(cache.dtype());
+  h[w::elem_size] = static_cast<int64_t>(c10::elementSize(cache.dtype()));
+  h[w::k_format] = static_cast<int64_t>(cache.quant().k);
+  h[w::v_format] = static_cast<int64_t>(cache.quant().v);
   h[w::layout] = w::layout_code<Layout>();
   h[w::n_tokens] = n_tokens;
   h[w::n_pages] = n;
-  h[w::payload_bytes] =
-      cache.n_layers() * 2 * n * slice_bytes(cache.page_size(), heads.end - heads.begin, cache.head_dim(), es);
+  h[w::payload_bytes] = payload_bytes(cache, n, width);
+  h[w::scale_bytes] = is_quantized(cache.quant()) ? layer_sections(cache, n, width).all_scale_bytes : 0;
   h[w::checksum] = w::checksum_of(h.data());
   return h;
 }
@@ -362,6 +456,61 @@ void pack_layer(const PagedCache<Layout>& cache, int64_t layer, const std::vecto
   const int64_t head_axis = std::is_same<Layout, HND>::value ? 1 : 2;  // of [n, a, b, D]
   for (int kv = 0; kv < 2; ++kv) {
     chunk.select(0, kv).copy_(caches[kv].select(0, layer).index_select(0, index).narrow(head_axis, heads.begin, width));
+  }
+}
+
+/// The bytes [offset, offset + bytes) of `message` (1-D kByte) as `dtype`
+/// in `shape`; offset is a multiple of kSectionAlign.
+inline at::Tensor section_of(const at::Tensor& message, int64_t offset, int64_t bytes, at::ScalarType dtype,
+                             at::IntArrayRef shape) {
+  return message.narrow(-1, offset, bytes).view(dtype).view(shape);
+}
+
+/// Packs layer `layer`'s head slice of `pages` of a cache with a quantized
+/// side into `message` ([sections.bytes] kByte, on the cache's device): each
+/// side's codes (or a native side's elements), then each quantized side's
+/// scales, in the sender's layout, padding zeroed (transfer_wire).
+template <class Layout>
+void pack_layer_sections(const PagedCache<Layout>& cache, int64_t layer, const std::vector<int64_t>& pages,
+                         HeadRange heads, const LayerSections& sections, const at::Tensor& message) {
+  const auto n = static_cast<int64_t>(pages.size());
+  const int64_t width = heads.end - heads.begin;
+  const PageGeometry& g = cache.geometry();
+  const int64_t code = transfer_wire::layout_code<Layout>();
+  const bool cpu = kernels::use_cpu_kernels(cache.device());
+  const at::Tensor index = cpu ? at::Tensor() : kernels::host_index(pages, cache.device());
+  for (int kv = 0; kv < 2; ++kv) {
+    const std::vector<SidePart> parts = side_parts(cache, kv);
+    for (size_t p = 0; p < parts.size(); ++p) {
+      const SidePart& part = parts[p];
+      const int64_t offset = p == 0 ? sections.elements[kv] : sections.scales[kv];
+      const int64_t bytes = p == 0 ? sections.element_bytes[kv] : sections.scale_bytes[kv];
+      message.narrow(0, offset + bytes, transfer_wire::padded(bytes) - bytes).zero_();
+      if (cpu) {
+        const kernels::BlockShape shape{g.page_size, width, part.vector, part.elem_size};
+        const kernels::BlockStrides to =
+            transfer_wire::page_strides(code, g.page_size, width, part.vector, part.elem_size);
+        const int64_t out_bytes = slice_bytes(g.page_size, width, part.vector, part.elem_size);
+        const char* layer_base =
+            static_cast<const char*>(part.storage->data_ptr()) + layer * cache.n_pages() * part.page_bytes;
+        char* out = static_cast<char*>(message.data_ptr()) + offset;
+        for (int64_t i = 0; i < n; ++i) {  // on the calling thread, as pack_layer
+          kernels::copy_block(out + i * out_bytes, to,
+                              layer_base + pages[static_cast<size_t>(i)] * part.page_bytes +
+                                  heads.begin * part.head_bytes,
+                              part.page, shape);
+        }
+        continue;
+      }
+      const auto mine = Layout::page_shape(g.page_size, g.n_heads, part.vector);
+      const auto sent = Layout::page_shape(g.page_size, width, part.vector);
+      const int64_t head_axis = std::is_same<Layout, HND>::value ? 1 : 2;  // of [n, a, b, vector]
+      section_of(message, offset, bytes, part.storage->scalar_type(), {n, sent[0], sent[1], sent[2]})
+          .copy_(part.storage->select(0, layer)
+                     .view({cache.n_pages(), mine[0], mine[1], mine[2]})
+                     .index_select(0, index)
+                     .narrow(head_axis, heads.begin, width));
+    }
   }
 }
 
@@ -407,27 +556,65 @@ void unpack(PagedCache<Layout>& cache, const at::Tensor& staging, int64_t code, 
   }
 }
 
+/// Copies the staged messages ([n_layers, sections.bytes] kByte, sent in
+/// the layout `code`) of a cache with a quantized side into `pages` of
+/// `cache` (every layer, k and v, codes and scales; all of its heads).
+template <class Layout>
+void unpack_sections(PagedCache<Layout>& cache, const at::Tensor& staging, int64_t code,
+                     const LayerSections& sections, const std::vector<int64_t>& pages) {
+  const auto n = static_cast<int64_t>(pages.size());
+  if (n == 0) return;
+  const PageGeometry& g = cache.geometry();
+  const int64_t n_layers = cache.n_layers();
+  const bool cpu = kernels::use_cpu_kernels(cache.device()) && staging.device().is_cpu();
+  const at::Tensor index = cpu ? at::Tensor() : kernels::host_index(pages, cache.device());
+  for (int kv = 0; kv < 2; ++kv) {
+    const std::vector<SidePart> parts = side_parts(cache, kv);
+    for (size_t p = 0; p < parts.size(); ++p) {
+      const SidePart& part = parts[p];
+      const int64_t offset = p == 0 ? sections.elements[kv] : sections.scales[kv];
+      const int64_t bytes = p == 0 ? sections.element_bytes[kv] : sections.scale_bytes[kv];
+      if (cpu) {
+        const kernels::BlockShape shape{g.page_size, g.n_heads, part.vector, part.elem_size};
+        const kernels::BlockStrides from =
+            transfer_wire::page_strides(code, g.page_size, g.n_heads, part.vector, part.elem_size);
+        const int64_t in_bytes = slice_bytes(g.page_size, g.n_heads, part.vector, part.elem_size);
+        const char* in = static_cast<const char*>(staging.data_ptr()) + offset;
+        char* base = static_cast<char*>(part.storage->data_ptr());
+        const auto run = [&](auto streaming, int64_t begin, int64_t end) {
+          for (int64_t item = begin; item < end; ++item) {
+            const int64_t layer = item / n;
+            const int64_t i = item % n;
+            char* dst = base + (layer * cache.n_pages() + pages[static_cast<size_t>(i)]) * part.page_bytes;
+            kernels::copy_block<decltype(streaming)::value>(dst, part.page, in + layer * sections.bytes + i * in_bytes,
+                                                            from, shape);
+          }
+        };
+        kernels::parallel_copy(n_layers * n, kernels::grain_for(in_bytes), false, run);
+        continue;
+      }
+      const auto sent = code == 1 ? HND::page_shape(g.page_size, g.n_heads, part.vector)
+                                  : NHD::page_shape(g.page_size, g.n_heads, part.vector);
+      const auto mine = Layout::page_shape(g.page_size, g.n_heads, part.vector);
+      at::Tensor src =
+          section_of(staging, offset, bytes, part.storage->scalar_type(), {n_layers, n, sent[0], sent[1], sent[2]});
+      if (code != transfer_wire::layout_code<Layout>()) src = src.transpose(2, 3);
+      part.storage->view({n_layers, cache.n_pages(), mine[0], mine[1], mine[2]})
+          .index_copy_(1, index, src.to(cache.device()));
+    }
+  }
+}
+
 /// Receiver side of one transfer. `allocate(n_pages, n_tokens)` returns
 /// n_pages fresh pages (or none when the pool is short, having allocated
 /// nothing); `undo(pages)` frees them. Returns the pages, filled, and the
 /// tokens they hold.
-/// Quantized pages (codes plus scales) do not travel yet: the wire format
-/// reserves k_format / v_format / scale_bytes, but the payload carries one
-/// dtype's elements only. Checked before anything is sent or received.
-template <class Layout>
-void native_pages_only(const checks::Caller& caller, const PagedCache<Layout>& cache) {
-  TORCH_CHECK(!is_quantized(cache.quant()), caller, ": argument 'cache' expected native pages, got quantized pages (K ",
-              format_name(cache.quant().k), ", V ", format_name(cache.quant().v),
-              "): page transfer does not carry codes and scales yet");
-}
-
 template <class Group, class Layout>
 std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, Group& group, int src_rank, PagedCache<Layout>& cache,
                              int64_t transfer_id, std::chrono::milliseconds timeout,
                              const std::function<std::vector<int64_t>(int64_t, int64_t)>& allocate,
                              const std::function<void(const std::vector<int64_t>&)>& undo) {
   namespace w = transfer_wire;
-  native_pages_only(caller, cache);
   peer_rank(caller, "src_rank", group, src_rank);
   positive_timeout(caller, timeout);
   const auto deadline = Clock::now() + timeout;
@@ -444,7 +631,7 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
   int64_t verdict = w::accept;
   int64_t detail = 0;
   std::string reason;
-  const int64_t es = static_cast<int64_t>(cache.k_cache().element_size());
+  const auto es = static_cast<int64_t>(c10::elementSize(cache.dtype()));
   const auto mismatch = [&](const char* what, int64_t mine, int64_t theirs, const std::string& mine_s = "",
                             const std::string& theirs_s = "") {
     if (verdict != w::accept || mine == theirs) return;
@@ -479,14 +666,19 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
   const bool heads_checked = verdict == w::accept || verdict == w::wrong_transfer_id;
   mismatch("n_kv_heads (the width of the sent head range)", cache.n_kv_heads(),
            heads_checked ? h[w::head_end] - h[w::head_begin] : cache.n_kv_heads());
-  const auto dtype = static_cast<int64_t>(cache.k_cache().scalar_type());
+  const auto dtype = static_cast<int64_t>(cache.dtype());
   const bool known_dtype = h[w::dtype] >= 0 && h[w::dtype] < static_cast<int64_t>(c10::ScalarType::NumOptions);
-  mismatch("dtype", dtype, h[w::dtype], c10::toString(cache.k_cache().scalar_type()),
+  mismatch("dtype", dtype, h[w::dtype], c10::toString(cache.dtype()),
            known_dtype ? c10::toString(static_cast<c10::ScalarType>(h[w::dtype])) : std::to_string(h[w::dtype]));
   mismatch("element size", es, h[w::elem_size]);
-  mismatch("k quantization (KVFormat)", 0, h[w::k_format]);
-  mismatch("v quantization (KVFormat)", 0, h[w::v_format]);
-  mismatch("scale bytes", 0, h[w::scale_bytes]);
+  const auto format_text = [](int64_t f) {
+    const bool known = f >= 0 && f <= static_cast<int64_t>(KVFormat::int8);
+    return known ? std::string(format_name(static_cast<KVFormat>(f))) : std::to_string(f);
+  };
+  const auto k_format = static_cast<int64_t>(cache.quant().k);
+  const auto v_format = static_cast<int64_t>(cache.quant().v);
+  mismatch("k quantization (KVFormat)", k_format, h[w::k_format], format_text(k_format), format_text(h[w::k_format]));
+  mismatch("v quantization (KVFormat)", v_format, h[w::v_format], format_text(v_format), format_text(h[w::v_format]));
   if (verdict == w::accept) {
     // Any int64 may arrive: no sum or product is formed before the page
     // count is known to fit the pool (whose byte size fits int64).
@@ -502,10 +694,13 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
       detail = cache.n_free();
       reason = "short pool: the transfer needs " + std::to_string(n) + " pages, more than the pool's " +
                std::to_string(cache.n_pages());
-    } else if (h[w::payload_bytes] !=
-               cache.n_layers() * 2 * n * slice_bytes(ps, cache.n_kv_heads(), cache.head_dim(), es)) {
+    } else if (h[w::payload_bytes] != payload_bytes(cache, n, cache.n_kv_heads())) {
       verdict = w::bad_header;
       reason = "bad header: the payload size does not match the geometry";
+    } else if (h[w::scale_bytes] !=
+               (is_quantized(cache.quant()) ? layer_sections(cache, n, cache.n_kv_heads()).all_scale_bytes : 0)) {
+      verdict = w::bad_header;
+      reason = "bad header: the scale bytes do not match the geometry and quantization";
     }
   }
   std::vector<int64_t> pages;
@@ -532,13 +727,18 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
       TORCH_CHECK(false, caller, ": transfer ", transfer_id, " from rank ", src_rank, " rejected: ", reason);
     }
     const int64_t n = h[w::n_pages];
+    const bool quantized = is_quantized(cache.quant());
+    const LayerSections sections = layer_sections(cache, n, cache.n_kv_heads());
     at::Tensor staging;
     if (n > 0) {
       const auto page = h[w::layout] == 1
                             ? HND::page_shape(cache.page_size(), cache.n_kv_heads(), cache.head_dim())
                             : NHD::page_shape(cache.page_size(), cache.n_kv_heads(), cache.head_dim());
-      staging = transfer_detail::staging(StagingRole::recv, {cache.n_layers(), 2, n, page[0], page[1], page[2]},
-                                         cache.k_cache().options());
+      staging = quantized ? transfer_detail::staging(StagingRole::recv, {cache.n_layers(), sections.bytes},
+                                                     at::TensorOptions().dtype(at::kByte).device(device))
+                          : transfer_detail::staging(StagingRole::recv,
+                                                     {cache.n_layers(), 2, n, page[0], page[1], page[2]},
+                                                     cache.k_cache().options());
       std::vector<decltype(recv_one(group, staging[0], src_rank, w::kPayloadTag))> payload;
       payload.reserve(static_cast<size_t>(cache.n_layers()));
       for (int64_t layer = 0; layer < cache.n_layers(); ++layer) {
@@ -548,7 +748,11 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
                "payload of transfer " + std::to_string(transfer_id) + " from rank " + std::to_string(src_rank));
     }
     wait_all(caller, reply_work, deadline, "reply to transfer " + std::to_string(transfer_id));
-    unpack(cache, staging, h[w::layout], pages);
+    if (quantized) {
+      unpack_sections(cache, staging, h[w::layout], sections, pages);
+    } else {
+      unpack(cache, staging, h[w::layout], pages);
+    }
   } catch (...) {
     drop_staging(StagingRole::recv);
     undo(pages);
@@ -580,7 +784,6 @@ void send_pages(Group& group, int dst_rank, const PagedCache<Layout>& cache,
   namespace w = transfer_wire;
   using namespace transfer_detail;
   const checks::Caller caller{"send_pages", Layout::name, nullptr};
-  native_pages_only(caller, cache);
   peer_rank(caller, "dst_rank", group, dst_rank);
   positive_timeout(caller, timeout);
   checks::non_negative(caller, "n_tokens", n_tokens);
@@ -631,14 +834,25 @@ void send_pages(Group& group, int dst_rank, const PagedCache<Layout>& cache,
   if (n == 0) return;
   // Pack a layer, hand it to the group (which sends in the background),
   // pack the next: the copy overlaps the wire.
+  // A cache with a quantized side sends each layer as bytes in sections
+  // (codes and scales); a native one as [2, n, <page>] of its dtype.
+  const bool quantized = is_quantized(cache.quant());
+  const LayerSections sections = layer_sections(cache, n, width);
   const auto page = Layout::page_shape(cache.page_size(), width, cache.head_dim());
-  const at::Tensor packed = staging(StagingRole::send, {cache.n_layers(), 2, n, page[0], page[1], page[2]},
-                                    cache.k_cache().options());
+  const at::Tensor packed =
+      quantized ? staging(StagingRole::send, {cache.n_layers(), sections.bytes},
+                          at::TensorOptions().dtype(at::kByte).device(device))
+                : staging(StagingRole::send, {cache.n_layers(), 2, n, page[0], page[1], page[2]},
+                          cache.k_cache().options());
   std::vector<decltype(send_one(group, reply, dst_rank, w::kPayloadTag))> works;
   works.reserve(static_cast<size_t>(cache.n_layers()));
   try {
     for (int64_t layer = 0; layer < cache.n_layers(); ++layer) {
-      pack_layer(cache, layer, ids, heads, packed[layer]);
+      if (quantized) {
+        pack_layer_sections(cache, layer, ids, heads, sections, packed[layer]);
+      } else {
+        pack_layer(cache, layer, ids, heads, packed[layer]);
+      }
       works.push_back(send_one(group, packed[layer], dst_rank, w::kPayloadTag));
     }
     wait_all(caller, works, deadline, what + ": payload");
