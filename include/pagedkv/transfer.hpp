@@ -590,7 +590,11 @@ void unpack_sections(PagedCache<Layout>& cache, const at::Tensor& staging, int64
                                                             from, shape);
           }
         };
-        kernels::parallel_copy(n_layers * n, kernels::grain_for(in_bytes), false, run);
+        // The fresh pages are not read before the call returns: their codes
+        // stream where the native scatter's would (unpack).
+        const bool stream =
+            p == 0 && kernels::use_streaming_stores(n_layers * n * in_bytes, part.page, g, part.elem_size);
+        kernels::parallel_copy(n_layers * n, kernels::grain_for(in_bytes), stream, run);
         continue;
       }
       const auto sent = code == 1 ? HND::page_shape(g.page_size, g.n_heads, part.vector)
