@@ -7,11 +7,12 @@
 // its last hidden state. The decode worker receives them (recv_sequence),
 // decodes N steps for the whole batch with paged_attention, then repeats
 // the whole computation in one process and checks that every decode step
-// matches (float32: max abs difference 0).
+// matches (float32: max abs difference 0). With --kv-format fp8 or int8
+// both caches store quantized pages, and their codes and scales travel.
 //
 //   disaggregated [--batch 4] [--steps 16] [--max-prompt 200] [--page-size 16]
 //                 [--prefill-layout nhd|hnd] [--decode-layout nhd|hnd]
-//                 [--seed 0] [--timeout-ms 30000]
+//                 [--kv-format native|fp8|int8] [--seed 0] [--timeout-ms 30000]
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -46,6 +47,7 @@ struct Options {
   int64_t page_size = 16;
   std::string prefill_layout = "nhd";
   std::string decode_layout = "hnd";
+  std::string kv_format = "native";  // both caches' K and V
   int64_t seed = 0;
   int64_t timeout_ms = 30000;
   std::string role;  // internal: prefill | decode
@@ -72,6 +74,7 @@ void usage(const char* argv0) {
       "  --page-size N             tokens per page on both sides (default 16)\n"
       "  --prefill-layout nhd|hnd  the prefill cache's page layout (default nhd)\n"
       "  --decode-layout nhd|hnd   the decode cache's page layout (default hnd)\n"
+      "  --kv-format native|fp8|int8  how both caches store K and V (default native)\n"
       "  --seed N                  weights and prompts (default 0)\n"
       "  --timeout-ms N            per transfer (default 30000)\n"
       "  --help                    this text\n",
@@ -106,6 +109,8 @@ bool parse(int argc, char** argv, Options& o) {
       o.prefill_layout = value;
     } else if (arg == "--decode-layout" && layout) {
       o.decode_layout = value;
+    } else if (arg == "--kv-format" && (value == "native" || value == "fp8" || value == "int8")) {
+      o.kv_format = value;
     } else if (arg == "--seed" && numeric && number >= 0) {
       o.seed = number;
     } else if (arg == "--timeout-ms" && numeric && number >= 1) {
@@ -173,8 +178,22 @@ struct Engine {
   pagedkv::PagedCache<Layout> cache;
   pagedkv::SequenceTable<Layout> seqs;
   Engine(const Options& o, const Model& m)
-      : cache(kLayers, pool_pages(o, m), o.page_size, kKvHeads, kHeadDim, at::TensorOptions().dtype(at::kFloat)),
+      : cache(kLayers, pool_pages(o, m), o.page_size, kKvHeads, kHeadDim, at::TensorOptions().dtype(at::kFloat),
+              quant_of(o.kv_format)),
         seqs(cache) {}
+  /// Bytes of one (token, head)'s k and v in the pages: elements or codes, plus their scales.
+  int64_t vector_bytes() const {
+    const auto side = [](const at::Tensor& pages, const at::Tensor& scales) {
+      return kHeadDim * static_cast<int64_t>(pages.element_size()) + (scales.defined() ? 4 : 0);
+    };
+    return side(cache.k_cache(), cache.k_scales()) + side(cache.v_cache(), cache.v_scales());
+  }
+  static pagedkv::KVQuant quant_of(const std::string& format) {
+    const pagedkv::KVFormat f = format == "fp8"    ? pagedkv::KVFormat::fp8_e4m3
+                                : format == "int8" ? pagedkv::KVFormat::int8
+                                                   : pagedkv::KVFormat::native;
+    return {f, f};
+  }
   static int64_t pool_pages(const Options& o, const Model& m) {
     int64_t pages = 0;
     for (const auto& p : m.prompts) pages += (p.size(1) + o.steps + o.page_size - 1) / o.page_size;
@@ -234,7 +253,7 @@ int prefill(const Options& o) {
   for (int64_t b = 0; b < o.batch; ++b) {
     const auto [seq, last] = engine.prefill(m, m.prompts[static_cast<size_t>(b)]);
     const int64_t n_pages = static_cast<int64_t>(engine.seqs.pages(seq).size());
-    const int64_t bytes = 2 * kLayers * n_pages * o.page_size * kKvHeads * kHeadDim * 4;
+    const int64_t bytes = kLayers * n_pages * o.page_size * kKvHeads * engine.vector_bytes();
     const auto t0 = Clock::now();
     pagedkv::send_sequence(*group, 1, engine.seqs, seq, /*transfer_id=*/b, timeout);
     std::vector<at::Tensor> hidden{last};
@@ -337,11 +356,11 @@ int launch(const Options& o, int argc, char** argv) {
   store_options.waitWorkers = false;
   store_options.timeout = std::chrono::milliseconds(o.timeout_ms);
   auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", store_options);
-  std::printf("pagedkv disaggregated: %lld layers, %lld kv heads x %lld, float32, page_size %lld; prefill %s -> "
-              "decode %s over Gloo on 127.0.0.1:%u\n",
+  std::printf("pagedkv disaggregated: %lld layers, %lld kv heads x %lld, float32 (pages: %s), page_size %lld; "
+              "prefill %s -> decode %s over Gloo on 127.0.0.1:%u\n",
               static_cast<long long>(kLayers), static_cast<long long>(kKvHeads), static_cast<long long>(kHeadDim),
-              static_cast<long long>(o.page_size), o.prefill_layout.c_str(), o.decode_layout.c_str(),
-              static_cast<unsigned>(store->getPort()));
+              o.kv_format.c_str(), static_cast<long long>(o.page_size), o.prefill_layout.c_str(),
+              o.decode_layout.c_str(), static_cast<unsigned>(store->getPort()));
   std::fflush(stdout);
   const pid_t workers[2] = {spawn(argv[0], argc, argv, "prefill", store->getPort()),
                             spawn(argv[0], argc, argv, "decode", store->getPort())};
