@@ -330,6 +330,7 @@ struct SidePart {
   int64_t head_bytes;         ///< bytes between heads (page.head), for the slice's start
   int64_t vector;             ///< elements per (token, head): head_dim, or 1 for scales
   int64_t elem_size;
+  bool scales;                ///< the side's scales, not its pages
 };
 
 /// The parts of side kv (0: k, 1: v) of `cache`: its pages, then its scales
@@ -341,13 +342,29 @@ std::vector<SidePart> side_parts(const PagedCache<Layout>& cache, int kv) {
   const at::Tensor& scales = kv == 0 ? cache.k_scales() : cache.v_scales();
   const auto es = static_cast<int64_t>(pages.element_size());
   const kernels::BlockStrides page = kernels::page_strides(g, es);
-  std::vector<SidePart> parts{{&pages, page, g.page_elems * es, page.head, g.head_dim, es}};
+  std::vector<SidePart> parts{{&pages, page, g.page_elems * es, page.head, g.head_dim, es, false}};
   if (scales.defined()) {
     const kernels::BlockStrides scale = scale_page_strides(g);
     parts.push_back({&scales, scale, g.page_size * g.n_heads * static_cast<int64_t>(sizeof(float)), scale.head, 1,
-                     sizeof(float)});
+                     sizeof(float), true});
   }
   return parts;
+}
+
+/// Calls f(part, offset, bytes) for every part of `cache` (k pages, k
+/// scales, v pages, v scales; scales of quantized sides only) with where it
+/// lies in a message laid out as `sections`.
+template <class Layout, class F>
+void for_each_section(const PagedCache<Layout>& cache, const LayerSections& sections, F&& f) {
+  for (int kv = 0; kv < 2; ++kv) {
+    for (const SidePart& part : side_parts(cache, kv)) {
+      if (part.scales) {
+        f(part, sections.scales[kv], sections.scale_bytes[kv]);
+      } else {
+        f(part, sections.elements[kv], sections.element_bytes[kv]);
+      }
+    }
+  }
 }
 
 /// The int64 words of a small host tensor on the wire device.
@@ -479,39 +496,33 @@ void pack_layer_sections(const PagedCache<Layout>& cache, int64_t layer, const s
   const int64_t code = transfer_wire::layout_code<Layout>();
   const bool cpu = kernels::use_cpu_kernels(cache.device());
   const at::Tensor index = cpu ? at::Tensor() : kernels::host_index(pages, cache.device());
-  for (int kv = 0; kv < 2; ++kv) {
-    const std::vector<SidePart> parts = side_parts(cache, kv);
-    for (size_t p = 0; p < parts.size(); ++p) {
-      const SidePart& part = parts[p];
-      const int64_t offset = p == 0 ? sections.elements[kv] : sections.scales[kv];
-      const int64_t bytes = p == 0 ? sections.element_bytes[kv] : sections.scale_bytes[kv];
-      message.narrow(0, offset + bytes, transfer_wire::padded(bytes) - bytes).zero_();
-      if (cpu) {
-        const kernels::BlockShape shape{g.page_size, width, part.vector, part.elem_size};
-        const kernels::BlockStrides to =
-            transfer_wire::page_strides(code, g.page_size, width, part.vector, part.elem_size);
-        const int64_t out_bytes = slice_bytes(g.page_size, width, part.vector, part.elem_size);
-        const char* layer_base =
-            static_cast<const char*>(part.storage->data_ptr()) + layer * cache.n_pages() * part.page_bytes;
-        char* out = static_cast<char*>(message.data_ptr()) + offset;
-        for (int64_t i = 0; i < n; ++i) {  // on the calling thread, as pack_layer
-          kernels::copy_block(out + i * out_bytes, to,
-                              layer_base + pages[static_cast<size_t>(i)] * part.page_bytes +
-                                  heads.begin * part.head_bytes,
-                              part.page, shape);
-        }
-        continue;
+  for_each_section(cache, sections, [&](const SidePart& part, int64_t offset, int64_t bytes) {
+    message.narrow(0, offset + bytes, transfer_wire::padded(bytes) - bytes).zero_();
+    if (cpu) {
+      const kernels::BlockShape shape{g.page_size, width, part.vector, part.elem_size};
+      const kernels::BlockStrides to =
+          transfer_wire::page_strides(code, g.page_size, width, part.vector, part.elem_size);
+      const int64_t out_bytes = slice_bytes(g.page_size, width, part.vector, part.elem_size);
+      const char* layer_base =
+          static_cast<const char*>(part.storage->data_ptr()) + layer * cache.n_pages() * part.page_bytes;
+      char* out = static_cast<char*>(message.data_ptr()) + offset;
+      for (int64_t i = 0; i < n; ++i) {  // on the calling thread, as pack_layer
+        kernels::copy_block(out + i * out_bytes, to,
+                            layer_base + pages[static_cast<size_t>(i)] * part.page_bytes +
+                                heads.begin * part.head_bytes,
+                            part.page, shape);
       }
-      const auto mine = Layout::page_shape(g.page_size, g.n_heads, part.vector);
-      const auto sent = Layout::page_shape(g.page_size, width, part.vector);
-      const int64_t head_axis = std::is_same<Layout, HND>::value ? 1 : 2;  // of [n, a, b, vector]
-      section_of(message, offset, bytes, part.storage->scalar_type(), {n, sent[0], sent[1], sent[2]})
-          .copy_(part.storage->select(0, layer)
-                     .view({cache.n_pages(), mine[0], mine[1], mine[2]})
-                     .index_select(0, index)
-                     .narrow(head_axis, heads.begin, width));
+      return;
     }
-  }
+    const auto mine = Layout::page_shape(g.page_size, g.n_heads, part.vector);
+    const auto sent = Layout::page_shape(g.page_size, width, part.vector);
+    const int64_t head_axis = std::is_same<Layout, HND>::value ? 1 : 2;  // of [n, a, b, vector]
+    section_of(message, offset, bytes, part.storage->scalar_type(), {n, sent[0], sent[1], sent[2]})
+        .copy_(part.storage->select(0, layer)
+                   .view({cache.n_pages(), mine[0], mine[1], mine[2]})
+                   .index_select(0, index)
+                   .narrow(head_axis, heads.begin, width));
+  });
 }
 
 /// Copies the staged payload ([n_layers, 2, n, <page in layout `code`>])
@@ -568,45 +579,39 @@ void unpack_sections(PagedCache<Layout>& cache, const at::Tensor& staging, int64
   const int64_t n_layers = cache.n_layers();
   const bool cpu = kernels::use_cpu_kernels(cache.device()) && staging.device().is_cpu();
   const at::Tensor index = cpu ? at::Tensor() : kernels::host_index(pages, cache.device());
-  for (int kv = 0; kv < 2; ++kv) {
-    const std::vector<SidePart> parts = side_parts(cache, kv);
-    for (size_t p = 0; p < parts.size(); ++p) {
-      const SidePart& part = parts[p];
-      const int64_t offset = p == 0 ? sections.elements[kv] : sections.scales[kv];
-      const int64_t bytes = p == 0 ? sections.element_bytes[kv] : sections.scale_bytes[kv];
-      if (cpu) {
-        const kernels::BlockShape shape{g.page_size, g.n_heads, part.vector, part.elem_size};
-        const kernels::BlockStrides from =
-            transfer_wire::page_strides(code, g.page_size, g.n_heads, part.vector, part.elem_size);
-        const int64_t in_bytes = slice_bytes(g.page_size, g.n_heads, part.vector, part.elem_size);
-        const char* in = static_cast<const char*>(staging.data_ptr()) + offset;
-        char* base = static_cast<char*>(part.storage->data_ptr());
-        const auto run = [&](auto streaming, int64_t begin, int64_t end) {
-          for (int64_t item = begin; item < end; ++item) {
-            const int64_t layer = item / n;
-            const int64_t i = item % n;
-            char* dst = base + (layer * cache.n_pages() + pages[static_cast<size_t>(i)]) * part.page_bytes;
-            kernels::copy_block<decltype(streaming)::value>(dst, part.page, in + layer * sections.bytes + i * in_bytes,
-                                                            from, shape);
-          }
-        };
-        // The fresh pages are not read before the call returns: their codes
-        // stream where the native scatter's would (unpack).
-        const bool stream =
-            p == 0 && kernels::use_streaming_stores(n_layers * n * in_bytes, part.page, g, part.elem_size);
-        kernels::parallel_copy(n_layers * n, kernels::grain_for(in_bytes), stream, run);
-        continue;
-      }
-      const auto sent = code == 1 ? HND::page_shape(g.page_size, g.n_heads, part.vector)
-                                  : NHD::page_shape(g.page_size, g.n_heads, part.vector);
-      const auto mine = Layout::page_shape(g.page_size, g.n_heads, part.vector);
-      at::Tensor src =
-          section_of(staging, offset, bytes, part.storage->scalar_type(), {n_layers, n, sent[0], sent[1], sent[2]});
-      if (code != transfer_wire::layout_code<Layout>()) src = src.transpose(2, 3);
-      part.storage->view({n_layers, cache.n_pages(), mine[0], mine[1], mine[2]})
-          .index_copy_(1, index, src.to(cache.device()));
+  for_each_section(cache, sections, [&](const SidePart& part, int64_t offset, int64_t bytes) {
+    if (cpu) {
+      const kernels::BlockShape shape{g.page_size, g.n_heads, part.vector, part.elem_size};
+      const kernels::BlockStrides from =
+          transfer_wire::page_strides(code, g.page_size, g.n_heads, part.vector, part.elem_size);
+      const int64_t in_bytes = slice_bytes(g.page_size, g.n_heads, part.vector, part.elem_size);
+      const char* in = static_cast<const char*>(staging.data_ptr()) + offset;
+      char* base = static_cast<char*>(part.storage->data_ptr());
+      const auto run = [&](auto streaming, int64_t begin, int64_t end) {
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t layer = item / n;
+          const int64_t i = item % n;
+          char* dst = base + (layer * cache.n_pages() + pages[static_cast<size_t>(i)]) * part.page_bytes;
+          kernels::copy_block<decltype(streaming)::value>(dst, part.page, in + layer * sections.bytes + i * in_bytes,
+                                                          from, shape);
+        }
+      };
+      // The fresh pages are not read before the call returns: their codes
+      // stream where the native scatter's would (unpack).
+      const bool stream =
+          !part.scales && kernels::use_streaming_stores(n_layers * n * in_bytes, part.page, g, part.elem_size);
+      kernels::parallel_copy(n_layers * n, kernels::grain_for(in_bytes), stream, run);
+      return;
     }
-  }
+    const auto sent = code == 1 ? HND::page_shape(g.page_size, g.n_heads, part.vector)
+                                : NHD::page_shape(g.page_size, g.n_heads, part.vector);
+    const auto mine = Layout::page_shape(g.page_size, g.n_heads, part.vector);
+    at::Tensor src =
+        section_of(staging, offset, bytes, part.storage->scalar_type(), {n_layers, n, sent[0], sent[1], sent[2]});
+    if (code != transfer_wire::layout_code<Layout>()) src = src.transpose(2, 3);
+    part.storage->view({n_layers, cache.n_pages(), mine[0], mine[1], mine[2]})
+        .index_copy_(1, index, src.to(cache.device()));
+  });
 }
 
 /// Receiver side of one transfer. `allocate(n_pages, n_tokens)` returns
