@@ -47,7 +47,7 @@ struct Options {
   int64_t page_size = 16;
   std::string prefill_layout = "nhd";
   std::string decode_layout = "hnd";
-  std::string kv_format = "native";  // both caches' K and V
+  pagedkv::KVQuant quant;  // both caches' K and V (--kv-format)
   int64_t seed = 0;
   int64_t timeout_ms = 30000;
   std::string role;  // internal: prefill | decode
@@ -110,7 +110,10 @@ bool parse(int argc, char** argv, Options& o) {
     } else if (arg == "--decode-layout" && layout) {
       o.decode_layout = value;
     } else if (arg == "--kv-format" && (value == "native" || value == "fp8" || value == "int8")) {
-      o.kv_format = value;
+      const pagedkv::KVFormat f = value == "fp8"    ? pagedkv::KVFormat::fp8_e4m3
+                                  : value == "int8" ? pagedkv::KVFormat::int8
+                                                    : pagedkv::KVFormat::native;
+      o.quant = {f, f};
     } else if (arg == "--seed" && numeric && number >= 0) {
       o.seed = number;
     } else if (arg == "--timeout-ms" && numeric && number >= 1) {
@@ -179,7 +182,7 @@ struct Engine {
   pagedkv::SequenceTable<Layout> seqs;
   Engine(const Options& o, const Model& m)
       : cache(kLayers, pool_pages(o, m), o.page_size, kKvHeads, kHeadDim, at::TensorOptions().dtype(at::kFloat),
-              quant_of(o.kv_format)),
+              o.quant),
         seqs(cache) {}
   /// Bytes of one (token, head)'s k and v in the pages: elements or codes, plus their scales.
   int64_t vector_bytes() const {
@@ -187,12 +190,6 @@ struct Engine {
       return kHeadDim * static_cast<int64_t>(pages.element_size()) + (scales.defined() ? 4 : 0);
     };
     return side(cache.k_cache(), cache.k_scales()) + side(cache.v_cache(), cache.v_scales());
-  }
-  static pagedkv::KVQuant quant_of(const std::string& format) {
-    const pagedkv::KVFormat f = format == "fp8"    ? pagedkv::KVFormat::fp8_e4m3
-                                : format == "int8" ? pagedkv::KVFormat::int8
-                                                   : pagedkv::KVFormat::native;
-    return {f, f};
   }
   static int64_t pool_pages(const Options& o, const Model& m) {
     int64_t pages = 0;
@@ -359,7 +356,7 @@ int launch(const Options& o, int argc, char** argv) {
   std::printf("pagedkv disaggregated: %lld layers, %lld kv heads x %lld, float32 (pages: %s), page_size %lld; "
               "prefill %s -> decode %s over Gloo on 127.0.0.1:%u\n",
               static_cast<long long>(kLayers), static_cast<long long>(kKvHeads), static_cast<long long>(kHeadDim),
-              o.kv_format.c_str(), static_cast<long long>(o.page_size), o.prefill_layout.c_str(),
+              pagedkv::format_name(o.quant.k), static_cast<long long>(o.page_size), o.prefill_layout.c_str(),
               o.decode_layout.c_str(), static_cast<unsigned>(store->getPort()));
   std::fflush(stdout);
   const pid_t workers[2] = {spawn(argv[0], argc, argv, "prefill", store->getPort()),

@@ -141,10 +141,10 @@ PagedCache<L> sender_cache(const Spec& s) {
   PagedCache<L> cache(s.num("layers", 3), s.num("pages", 16), s.num("page_size", 5), s.num("heads", 4),
                       s.num("head_dim", 8), at::TensorOptions().dtype(dtype_of(s.str("dtype", "f32"))), quant_of(s));
   cache.alloc_n(cache.n_pages());
-  cache.k_cache().copy_(side_pattern(cache.k_cache(), s.num("seed", 1)));
-  cache.v_cache().copy_(side_pattern(cache.v_cache(), s.num("seed", 1) + 7));
-  // Scales of quantized sides: positive and distinct.
   const int64_t seed = s.num("seed", 1);
+  cache.k_cache().copy_(side_pattern(cache.k_cache(), seed));
+  cache.v_cache().copy_(side_pattern(cache.v_cache(), seed + 7));
+  // Scales of quantized sides: positive and distinct.
   if (cache.k_scales().defined()) cache.k_scales().copy_(side_pattern(cache.k_scales(), seed + 3).abs() + 0.25);
   if (cache.v_scales().defined()) cache.v_scales().copy_(side_pattern(cache.v_scales(), seed + 5).abs() + 0.25);
   return cache;

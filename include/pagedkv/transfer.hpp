@@ -327,7 +327,6 @@ struct SidePart {
   const at::Tensor* storage;  // [n_layers, n_pages, ...]: the pages, or the scales
   kernels::BlockStrides page; ///< byte strides of one page's block
   int64_t page_bytes;         ///< bytes between pages
-  int64_t head_bytes;         ///< bytes between heads (page.head), for the slice's start
   int64_t vector;             ///< elements per (token, head): head_dim, or 1 for scales
   int64_t elem_size;
   bool scales;                ///< the side's scales, not its pages
@@ -342,10 +341,10 @@ std::vector<SidePart> side_parts(const PagedCache<Layout>& cache, int kv) {
   const at::Tensor& scales = kv == 0 ? cache.k_scales() : cache.v_scales();
   const auto es = static_cast<int64_t>(pages.element_size());
   const kernels::BlockStrides page = kernels::page_strides(g, es);
-  std::vector<SidePart> parts{{&pages, page, g.page_elems * es, page.head, g.head_dim, es, false}};
+  std::vector<SidePart> parts{{&pages, page, g.page_elems * es, g.head_dim, es, false}};
   if (scales.defined()) {
     const kernels::BlockStrides scale = scale_page_strides(g);
-    parts.push_back({&scales, scale, g.page_size * g.n_heads * static_cast<int64_t>(sizeof(float)), scale.head, 1,
+    parts.push_back({&scales, scale, g.page_size * g.n_heads * static_cast<int64_t>(sizeof(float)), 1,
                      sizeof(float), true});
   }
   return parts;
@@ -509,7 +508,7 @@ void pack_layer_sections(const PagedCache<Layout>& cache, int64_t layer, const s
       for (int64_t i = 0; i < n; ++i) {  // on the calling thread, as pack_layer
         kernels::copy_block(out + i * out_bytes, to,
                             layer_base + pages[static_cast<size_t>(i)] * part.page_bytes +
-                                heads.begin * part.head_bytes,
+                                heads.begin * part.page.head,
                             part.page, shape);
       }
       return;
