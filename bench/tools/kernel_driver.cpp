@@ -6,7 +6,10 @@
 // Build (from the repository root), e.g. against another include tree:
 //   g++ -std=c++17 -O3 -DNDEBUG -g -fopenmp -Iinclude -Ibench
 //       bench/tools/kernel_driver.cpp -o /tmp/kernel_driver -ltorch_cpu -lc10 -lbenchmark
-// Run:   /tmp/kernel_driver <NHD|HND> <kind> B S ctx calls threads
+// Run:   /tmp/kernel_driver <NHD|HND> <kind> B S ctx calls threads [format [isa]]
+//        format: native (default), fp8 or int8 pages (K and V alike; the
+//        memcpy kinds then copy codes + scales); isa: best (default),
+//        portable, avx2 or avx512 (attention_kernels::ScopedIsa).
 // Kinds: write (scalar start ctx), write_ragged (per-sequence starts),
 //        write_adv (start ctx + call % 512: a slot not written for 512 calls),
 //        gather (B x ctx tokens), gather_ragged, validate (checks::write_range
@@ -27,6 +30,8 @@
 #include <vector>
 
 #include "bench_support.hpp"
+#include "pagedkv/attention/isa.hpp"
+#include "pagedkv/kv_format.hpp"
 
 using namespace pagedkv_bench;
 
@@ -80,17 +85,19 @@ __attribute__((noinline)) void run_case(Case<L>& c, int iters) {
 }
 
 template <class L>
-int go(const std::string& kind, int64_t B, int64_t S, int64_t ctx, int iters) {
+int go(const std::string& kind, int64_t B, int64_t S, int64_t ctx, int iters, pagedkv::KVQuant quant) {
   Case<L> c;
   c.kind = kind;
   c.start = ctx;
   const bool writes =
       kind.rfind("write", 0) == 0 || kind == "validate" || kind == "memcpy_write" || kind == "raw_write";
   const int64_t cols = writes ? pages_for(ctx + S + (kind == "write_adv" ? 512 : 0)) : pages_for(ctx);
-  c.cache = std::make_unique<pagedkv::PagedCache<L>>(1, B * cols, kPageSize, kHeads, kHeadDim, half());
+  c.cache = std::make_unique<pagedkv::PagedCache<L>>(1, B * cols, kPageSize, kHeads, kHeadDim, half(), quant);
   c.table = shuffled_page_table(c.cache->pool(), B, cols, 11);
-  c.k = at::ones({B, S, kHeads, kHeadDim}, half());
-  c.v = at::ones({B, S, kHeads, kHeadDim}, half());
+  const bool quantized = pagedkv::is_quantized(quant.k);
+  at::manual_seed(5);  // an encoder's time depends on its inputs: gaussian, as a model's K/V
+  c.k = quantized ? at::randn({B, S, kHeads, kHeadDim}).to(at::kHalf) : at::ones({B, S, kHeads, kHeadDim}, half());
+  c.v = quantized ? at::randn({B, S, kHeads, kHeadDim}).to(at::kHalf) : at::ones({B, S, kHeads, kHeadDim}, half());
   std::vector<int64_t> starts, lengths;
   for (int64_t b = 0; b < B; ++b) {
     starts.push_back((b * 37) % (ctx + 1));
@@ -99,7 +106,8 @@ int go(const std::string& kind, int64_t B, int64_t S, int64_t ctx, int iters) {
   c.starts = at::tensor(starts, at::kLong);
   c.lengths = at::tensor(lengths, at::kLong);
   const int64_t tokens = kind == "memcpy_gather" ? B * ctx : B * S;
-  c.limit = std::make_unique<CopyLimit>(2 * tokens * kTokenBytes);
+  const int64_t token_bytes = quantized ? kHeads * (kHeadDim + 4) : kTokenBytes;  // codes + float32 scales
+  c.limit = std::make_unique<CopyLimit>(2 * tokens * token_bytes);
   run_case(c, 2);
   std::vector<double> ts;
   for (int i = 0; i < iters; ++i) {
@@ -110,21 +118,35 @@ int go(const std::string& kind, int64_t B, int64_t S, int64_t ctx, int iters) {
   double mean = 0;
   for (double t : ts) mean += t / static_cast<double>(ts.size());
   std::sort(ts.begin(), ts.end());
-  std::printf("%s %s B=%ld S=%ld ctx=%ld threads=%d: min %.1f p25 %.1f median %.1f p90 %.1f mean %.1f us\n", L::name,
-              kind.c_str(), static_cast<long>(B), static_cast<long>(S), static_cast<long>(ctx), at::get_num_threads(),
-              ts[0], ts[ts.size() / 4], ts[ts.size() / 2], ts[ts.size() * 9 / 10], mean);
+  std::printf("%s %s %s %s B=%ld S=%ld ctx=%ld threads=%d: min %.1f p25 %.1f median %.1f p90 %.1f mean %.1f us\n",
+              L::name, kind.c_str(), pagedkv::format_name(quant.k),
+              pagedkv::attention_kernels::isa_name(pagedkv::attention_kernels::selected_isa()), static_cast<long>(B),
+              static_cast<long>(S), static_cast<long>(ctx), at::get_num_threads(), ts[0], ts[ts.size() / 4],
+              ts[ts.size() / 2], ts[ts.size() * 9 / 10], mean);
   return 0;
 }
 
 int main(int argc, char** argv) {
-  if (argc != 8) {
-    std::fprintf(stderr, "usage: %s <NHD|HND> <kind> B S ctx calls threads\n", argv[0]);
+  if (argc < 8 || argc > 10) {
+    std::fprintf(stderr, "usage: %s <NHD|HND> <kind> B S ctx calls threads [native|fp8|int8 [best|portable|avx2|avx512]]\n",
+                 argv[0]);
     return 2;
   }
+  const std::string format = argc > 8 ? argv[8] : "native";
+  const pagedkv::KVFormat f = format == "fp8"    ? pagedkv::KVFormat::fp8_e4m3
+                              : format == "int8" ? pagedkv::KVFormat::int8
+                                                 : pagedkv::KVFormat::native;
+  const std::string isa = argc > 9 ? argv[9] : "best";
+  using pagedkv::attention_kernels::Isa;
+  const pagedkv::attention_kernels::ScopedIsa scoped_isa(isa == "portable" ? Isa::portable
+                                                         : isa == "avx2"   ? Isa::avx2
+                                                         : isa == "avx512" ? Isa::avx512
+                                                                           : Isa::best);
   const std::string layout = argv[1];
   const std::string kind = argv[2];
   at::set_num_threads(std::atoi(argv[7]));
   const int64_t B = std::atol(argv[3]), S = std::atol(argv[4]), ctx = std::atol(argv[5]);
   const int iters = std::atoi(argv[6]);
-  return layout == "NHD" ? go<pagedkv::NHD>(kind, B, S, ctx, iters) : go<pagedkv::HND>(kind, B, S, ctx, iters);
+  return layout == "NHD" ? go<pagedkv::NHD>(kind, B, S, ctx, iters, {f, f})
+                         : go<pagedkv::HND>(kind, B, S, ctx, iters, {f, f});
 }

@@ -649,9 +649,10 @@ PAGEDKV_TARGET_AVX512 void encode_avx512(const T* x, int64_t n, float scale, typ
   for (int64_t i = full; i < n; ++i) out[i] = Codec<F>::encode(attention_kernels::to_float32(x[i]) / scale);
 }
 
-/// amax_loop on AVX-512 (two accumulators: half the dependency chain).
+/// amax_loop on AVX-512, widening every element (two accumulators: half
+/// the dependency chain).
 template <class T>
-PAGEDKV_TARGET_AVX512 float amax_avx512(const T* x, int64_t n) {  // x: [n]
+PAGEDKV_TARGET_AVX512 float amax_widened_avx512(const T* x, int64_t n) {  // x: [n]
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   __m512 m0 = _mm512_setzero_ps();
   __m512 m1 = _mm512_setzero_ps();
@@ -676,6 +677,19 @@ PAGEDKV_TARGET_AVX512 float amax_avx512(const T* x, int64_t n) {  // x: [n]
     amax = a > amax ? a : amax;
   }
   return amax;
+}
+
+/// amax_loop on AVX-512. fp16 / bf16 rows take amax_bits16_avx2, inlined
+/// here: its 16-bit max handles 16 elements per 256-bit operation without
+/// widening them, where widening every element to 16 float32 lanes took
+/// twice the operations (bench/NOTES.md, "amax on the bits on AVX-512").
+template <class T>
+PAGEDKV_TARGET_AVX512 float amax_avx512(const T* x, int64_t n) {  // x: [n]
+  if constexpr (sizeof(T) == 2) {
+    return amax_bits16_avx2(x, n);
+  } else {
+    return amax_widened_avx512(x, n);
+  }
 }
 
 template <KVFormat F, class T>
