@@ -209,8 +209,10 @@ struct Avx512 {
   }
 
   /// Scores of R rows against K keys starting at keys[0]: R x K independent
-  /// FMA chains over head_dim, then out[r * kKeyBlock + k].
-  template <int R, int K, class E>
+  /// FMA chains over head_dim, then out[r * kKeyBlock + k]. kTail: head_dim
+  /// is not a multiple of 16. Without it the accumulators stay in registers
+  /// up to the sums; the tail's loads made g++ keep them on the stack.
+  template <int R, int K, class E, bool kTail>
   PAGEDKV_TARGET_AVX512 static void score_keys(const float* const* q,  // R x [D]
                                                const void* const* keys, // K x [D]
                                                int64_t head_dim, float* out) noexcept {
@@ -224,7 +226,7 @@ struct Avx512 {
         for (int r = 0; r < R; ++r) acc[k][r] = _mm512_fmadd_ps(key, _mm512_loadu_ps(q[r] + d), acc[k][r]);
       }
     }
-    if (d < head_dim) {
+    if (kTail && d < head_dim) {
       const __mmask16 lanes = first_lanes(head_dim - d);
       for (int k = 0; k < K; ++k) {
         const __m512 key = load_first(row_as<E>(keys[k]) + d, head_dim - d);
@@ -258,10 +260,19 @@ struct Avx512 {
                                                 const void* const* keys, // n x [D]
                                                 int64_t n, int64_t head_dim,
                                                 float* out) noexcept {  // [R, kKeyBlock]
+    if (head_dim % 16 == 0) return scores_rows_of<R, E, false>(q, keys, n, head_dim, out);
+    return scores_rows_of<R, E, true>(q, keys, n, head_dim, out);
+  }
+
+  template <int R, class E, bool kTail>
+  PAGEDKV_TARGET_AVX512 static void scores_rows_of(const float* const* q,  // R x [D]
+                                                   const void* const* keys, // n x [D]
+                                                   int64_t n, int64_t head_dim,
+                                                   float* out) noexcept {  // [R, kKeyBlock]
     constexpr int kKeys = R == 1 || R == 4 ? 4 : 2;  // keys per pass: enough independent chains
     int64_t j = 0;
-    for (; j + kKeys <= n; j += kKeys) score_keys<R, kKeys, E>(q, keys + j, head_dim, out + j);
-    for (; j < n; ++j) score_keys<R, 1, E>(q, keys + j, head_dim, out + j);
+    for (; j + kKeys <= n; j += kKeys) score_keys<R, kKeys, E, kTail>(q, keys + j, head_dim, out + j);
+    for (; j < n; ++j) score_keys<R, 1, E, kTail>(q, keys + j, head_dim, out + j);
   }
 
   template <int R, class E>
