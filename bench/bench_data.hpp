@@ -11,6 +11,7 @@
 #include <random>
 #include <vector>
 
+#include "pagedkv/kv_format.hpp"
 #include "pagedkv/page_pool.hpp"
 
 namespace pagedkv_bench {
@@ -68,5 +69,11 @@ inline at::Tensor shuffled_page_table(pagedkv::PagePool& pool, int64_t rows, int
 
 /// Pages needed to hold `tokens` tokens.
 inline int64_t pages_for(int64_t tokens) { return (tokens + kPageSize - 1) / kPageSize; }
+
+/// Bytes per token of K (or V) in the pages: fp16 elements, or one-byte
+/// codes plus a float32 scale per head vector (K and V in the same format).
+inline int64_t page_token_bytes(const pagedkv::KVQuant& quant) {
+  return pagedkv::is_quantized(quant.k) ? kHeads * (kHeadDim + 4) : kTokenBytes;
+}
 
 }  // namespace pagedkv_bench

@@ -104,12 +104,6 @@ struct WriteSpec {
   pagedkv::KVQuant quant = {};  ///< quantized pages (same format for K and V)
 };
 
-/// Bytes per token of K and V in the pages: fp16 elements, or one-byte
-/// codes plus a float32 scale per head vector.
-inline int64_t page_token_bytes(const pagedkv::KVQuant& quant) {
-  return pagedkv::is_quantized(quant.k) ? kHeads * (kHeadDim + 4) : kTokenBytes;
-}
-
 struct GatherSpec {
   std::string name;
   int64_t batch;

@@ -106,8 +106,7 @@ int go(const std::string& kind, int64_t B, int64_t S, int64_t ctx, int iters, pa
   c.starts = at::tensor(starts, at::kLong);
   c.lengths = at::tensor(lengths, at::kLong);
   const int64_t tokens = kind == "memcpy_gather" ? B * ctx : B * S;
-  const int64_t token_bytes = quantized ? kHeads * (kHeadDim + 4) : kTokenBytes;  // codes + float32 scales
-  c.limit = std::make_unique<CopyLimit>(2 * tokens * token_bytes);
+  c.limit = std::make_unique<CopyLimit>(2 * tokens * page_token_bytes(quant));
   run_case(c, 2);
   std::vector<double> ts;
   for (int i = 0; i < iters; ++i) {
