@@ -419,6 +419,36 @@ TEST(VectorPaths, QuantizeRowsOfRandomFp16AndBf16BitsAgreeOnEveryPath) {
   expect_random_rows_match_scalar<KVFormat::int8, c10::BFloat16>(isas);
 }
 
+// AVX-512 int8 rows whose scale lies in [2^-100, 2^100]
+// (quant::int8_quotient_by_reciprocal_is_exact) divide by multiplying with
+// the reciprocal and one correction (Markstein); others divide. Rows of
+// every fp16 value, scaled so that their scales sit on either side of both
+// bounds and far outside them (2^-140 is a subnormal scale, whose
+// reciprocal overflows): codes and scales as the scalar loop's on every
+// path, NaN and infinite inputs included.
+TEST(VectorPaths, Int8RowsAtAndBeyondTheBoundsOfTheReciprocalPath) {
+  std::vector<float> every;
+  for (const float v : every_fp16())
+    if (!std::isinf(v)) every.push_back(v / 65504.0f);  // |v| <= 1, NaN kept
+  const auto n = static_cast<int64_t>(every.size());
+  for (const float target : {0x1p-140f, 0x1p-125f, 0x1p-110f, 0.999f * 0x1p-100f, 0x1p-100f, 1.001f * 0x1p-100f, 0.37f,
+                             0.999f * 0x1p100f, 0x1p100f, 1.001f * 0x1p100f, 0x1p120f}) {
+    std::vector<float> x(every);
+    const float amax = target * quant::kInt8Max;
+    for (float& v : x) v *= amax;
+    std::vector<int8_t> want(x.size());
+    const float want_scale = quant::quantize_loop<KVFormat::int8>(x.data(), n, want.data());
+    for (const Isa isa : pagedkv::attention_kernels::available_isas()) {
+      std::vector<int8_t> got(x.size(), int8_t{1});
+      float got_scale = -1.0f;
+      quant::quantize_rows<KVFormat::int8>(isa, x.data(), n, 1, n, got.data(), n, &got_scale, 1);
+      ASSERT_EQ(quant::float_bits(got_scale), quant::float_bits(want_scale))
+          << pagedkv::attention_kernels::isa_name(isa) << " target scale " << target;
+      ASSERT_EQ(got, want) << pagedkv::attention_kernels::isa_name(isa) << " target scale " << target;
+    }
+  }
+}
+
 TEST(VectorPaths, DequantizeRowIsDecodeThenNarrowOnEveryPath) {
   expect_dequantize_matches_decode_then_narrow<KVFormat::fp8_e4m3, c10::Half>();
   expect_dequantize_matches_decode_then_narrow<KVFormat::fp8_e4m3, c10::BFloat16>();
