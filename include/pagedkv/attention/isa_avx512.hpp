@@ -119,7 +119,7 @@ struct Avx512 {
   }
 
  public:
-  // 16 elements as float32 (also the codecs' loads, quant_codecs.hpp).
+  // 16 elements as float32 (also the codecs' loads, quant/isa_avx512.hpp).
   PAGEDKV_TARGET_AVX512 static __m512 load16(const float* p) noexcept { return _mm512_loadu_ps(p); }
   PAGEDKV_TARGET_AVX512 static __m512 load16(const c10::Half* p) noexcept {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
