@@ -200,13 +200,17 @@ inline void copy_run(char* dst, const char* src, int64_t bytes) noexcept {
   std::memcpy(dst, src, static_cast<size_t>(bytes));
 }
 
-/// Copies a [tokens, heads] grid of head vectors with copy_row(dst, src);
-/// the outer loop walks the dimension that jumps furthest, so the inner one
-/// streams through nearby memory.
+/// Copies a [tokens, heads] grid of head vectors with copy_row(dst, src),
+/// reading the source in memory order: the outer loop walks the source's
+/// dimension that jumps further. The reads are what the prefetchers must
+/// follow; the writes stream, or go to at most `heads` runs at once. An HND
+/// prefill write (token-major source, head-major pages) took ~2.5x as long
+/// when the loop followed the pages instead (bench/NOTES.md, "Head vectors
+/// copied in the source's order").
 template <class CopyRow>
 inline void copy_head_vectors(char* dst, const BlockStrides& ds, const char* src, const BlockStrides& ss,
                               const BlockShape& shape, const CopyRow& copy_row) {
-  if (ds.head + ss.head > ds.token + ss.token) {
+  if (ss.head > ss.token) {
     for (int64_t h = 0; h < shape.heads; ++h)
       for (int64_t t = 0; t < shape.tokens; ++t)
         copy_row(dst + t * ds.token + h * ds.head, src + t * ss.token + h * ss.head);
