@@ -203,7 +203,8 @@ inline void copy_run(char* dst, const char* src, int64_t bytes) noexcept {
 /// Copies a [tokens, heads] grid of head vectors with copy_row(dst, src),
 /// reading the source in memory order: the outer loop walks the source's
 /// dimension that jumps further. The reads are what the prefetchers must
-/// follow; the writes stream, or go to at most `heads` runs at once. An HND
+/// follow; the writes stream, or go to as many runs at once as the inner
+/// loop has steps (a block's tokens, at most page_size, or its heads). An HND
 /// prefill write (token-major source, head-major pages) took ~2.5x as long
 /// when the loop followed the pages instead (bench/NOTES.md, "Head vectors
 /// copied in the source's order").

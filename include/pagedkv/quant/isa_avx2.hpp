@@ -5,6 +5,11 @@
 // where the CPU has the instructions.
 #pragma once
 
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
 #include "pagedkv/attention/isa_avx2.hpp"
 #include "pagedkv/quant/scalar.hpp"
 

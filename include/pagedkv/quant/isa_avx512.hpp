@@ -6,6 +6,10 @@
 // where the CPU has the instructions.
 #pragma once
 
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
 #include "pagedkv/attention/isa_avx512.hpp"
 #include "pagedkv/quant/isa_avx2.hpp"
 #include "pagedkv/quant/scalar.hpp"

@@ -19,9 +19,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
 
 #include "pagedkv/attention/convert.hpp"
 #include "pagedkv/kv_format.hpp"
