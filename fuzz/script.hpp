@@ -42,7 +42,7 @@
 #include <vector>
 
 #include "pagedkv/pagedkv.hpp"
-#include "pagedkv/quant_codecs.hpp"
+#include "pagedkv/cpu/quant/codecs.hpp"
 
 namespace pagedkv_fuzz {
 

@@ -12,7 +12,7 @@
 #include <type_traits>
 
 #include "pagedkv/float8_view.hpp"
-#include "pagedkv/quant_codecs.hpp"
+#include "pagedkv/cpu/quant/codecs.hpp"
 #include "test_support.hpp"
 
 namespace {

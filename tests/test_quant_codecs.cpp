@@ -1,4 +1,4 @@
-// The fp8 e4m3 and int8 codecs (quant_codecs.hpp): every code against the
+// The fp8 e4m3 and int8 codecs (cpu/quant/codecs.hpp): every code against the
 // OCP format's definition, round trips, ties, subnormals, signed zeros,
 // saturation, and every vector path bit for bit against the scalar one.
 #include <c10/util/BFloat16.h>
@@ -12,7 +12,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "pagedkv/quant_codecs.hpp"
+#include "pagedkv/cpu/quant/codecs.hpp"
 
 namespace {
 

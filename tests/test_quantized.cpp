@@ -461,7 +461,7 @@ TEST_P(QuantizedAttention, MatchesFloat64ReferencesOfItsOwnGatherAndOfTheOrigina
 INSTANTIATE_TEST_SUITE_P(Targets, QuantizedAttention, ::testing::ValuesIn(all_targets()), target_name);
 
 // The kernel decodes an fp8 code through fp16 bits, to e4m3(c) / 2^8, and
-// multiplies the scale by 2^8 (attention/convert.hpp): exact for every code
+// multiplies the scale by 2^8 (simd/convert.hpp): exact for every code
 // the encoder writes, the subnormal codes and -0 included.
 TEST(QuantizedAttentionCpu, Fp8DecodeThroughHalfIsTheCodecsDecodeOver256) {
   using pagedkv::attention_kernels::E4m3Code;

@@ -27,7 +27,7 @@
 #include <thread>
 #include <vector>
 
-#include "pagedkv/quant_codecs.hpp"
+#include "pagedkv/cpu/quant/codecs.hpp"
 
 #ifndef PAGEDKV_ATTENTION_AVX512
 int main() {

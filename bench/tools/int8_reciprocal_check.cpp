@@ -30,7 +30,7 @@
 #include <random>
 #include <vector>
 
-#include "pagedkv/quant_codecs.hpp"
+#include "pagedkv/cpu/quant/codecs.hpp"
 
 #ifndef PAGEDKV_ATTENTION_AVX512
 int main() {

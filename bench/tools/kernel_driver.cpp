@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "bench_support.hpp"
-#include "pagedkv/attention/isa.hpp"
+#include "pagedkv/simd/isa.hpp"
 #include "pagedkv/kv_format.hpp"
 
 using namespace pagedkv_bench;

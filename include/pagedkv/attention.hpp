@@ -3,12 +3,14 @@
 // [B, T, H, D] copy of the context is made.
 //
 // This header holds the public function (checks, dispatch). The pieces:
-//   attention/cpu_kernel.hpp   the CPU kernel (blocks, online softmax, merge),
-//                              native and quantized pages
-//   attention/plan.hpp         work items: query tiles x kv heads x key splits
-//   attention/isa.hpp          run-time choice of the instruction set, over
-//     isa_portable.hpp, isa_avx2.hpp (AVX2/FMA/F16C), isa_avx512.hpp (AVX-512F)
-//   attention/generic.hpp      any other device: gather + ATen softmax
+//   cpu/attention/kernel.hpp    the CPU kernel (blocks, online softmax,
+//                               merge), native and quantized pages
+//   cpu/attention/plan.hpp      work items: query tiles x kv heads x key splits
+//   cpu/attention/prefetch.hpp  what the kernel reads ahead
+//   simd/isa.hpp                run-time choice of the instruction set, over
+//     simd/isa_portable.hpp, simd/isa_avx2.hpp (AVX2/FMA/F16C),
+//     simd/isa_avx512.hpp (AVX-512F)
+//   generic/attention.hpp       any other device: gather + ATen softmax
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,10 +21,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "pagedkv/attention/cpu_kernel.hpp"
-#include "pagedkv/attention/generic.hpp"
 #include "pagedkv/cache_view.hpp"
 #include "pagedkv/checks.hpp"
+#include "pagedkv/cpu/attention/kernel.hpp"
+#include "pagedkv/generic/attention.hpp"
 #include "pagedkv/kernels.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_table.hpp"

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "pagedkv/layouts.hpp"
+
 namespace pagedkv {
 
 enum class KVFormat { native, fp8_e4m3, int8 };
@@ -43,4 +45,14 @@ inline at::ScalarType storage_dtype(KVFormat f, at::ScalarType logical) {
   }
 }
 
+namespace quant_kernels {
+
+/// The geometry of a scales page: one value per head row (every backend and
+/// the page copies lay scales out so).
+inline PageGeometry scale_geometry(const PageGeometry& g) {
+  return {g.page_size, g.n_heads, 1, g.token_stride / g.head_dim, g.head_stride / g.head_dim,
+          g.page_size * g.n_heads};
+}
+
+}  // namespace quant_kernels
 }  // namespace pagedkv

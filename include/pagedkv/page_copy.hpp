@@ -3,32 +3,30 @@
 // moving pages between a device cache and a host cache) and by
 // SequenceTable.
 //
-// CPU -> CPU: hand-written, one memcpy per (layer, page) when both caches
-// store pages in the same layout, a strided per-page relayout copy
-// (kernels::copy_block) when they differ; parallel over (page, layer).
-// Any other device pair (or Backend::generic): index_select on the page
-// dimension, transpose when the layouts differ, to(device), index_copy_.
-// Only the pages are copied: each page is moved as one batch, never with a
-// host round trip per page.
+// This header checks the lists and chooses the path: CPU -> CPU copies are
+// hand-written (cpu/page_copy.hpp); any other device pair (or
+// Backend::generic) takes the ATen path (generic/page_copy.hpp). Only the
+// pages are copied: each page is moved as one batch, never with a host
+// round trip per page.
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "pagedkv/checks.hpp"
+#include "pagedkv/cpu/page_copy.hpp"
+#include "pagedkv/generic/page_copy.hpp"
 #include "pagedkv/kernels.hpp"
+#include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_pool.hpp"
-#include "pagedkv/quant_kernels.hpp"
 
 namespace pagedkv {
 
@@ -92,105 +90,6 @@ inline bool copy_lists(const checks::Caller& caller, const std::vector<int64_t>&
   if (&src_pool != &dst_pool) return false;
   return std::any_of(src.begin(), src.end(),
                      [&](int64_t page) { return std::binary_search(sorted.begin(), sorted.end(), page); });
-}
-
-/// CPU pages of one cache as raw bytes.
-struct CpuPages {
-  char* k;
-  char* v;
-  int64_t layer_bytes;  ///< bytes between layers
-  int64_t page_bytes;   ///< bytes between pages
-  kernels::BlockStrides strides;  ///< inside a page
-};
-
-template <class Cache>
-CpuPages cpu_pages(const Cache& cache) {
-  const int64_t es = static_cast<int64_t>(cache.k_cache().element_size());
-  const int64_t page_bytes = cache.geometry().page_elems * es;
-  return {static_cast<char*>(cache.k_cache().data_ptr()), static_cast<char*>(cache.v_cache().data_ptr()),
-          cache.n_pages() * page_bytes, page_bytes, kernels::page_strides(cache.geometry(), es)};
-}
-
-/// dst_pages[dst[i]] <- src_pages[src[i]], i < n, for every layer, k and
-/// v. Pages must not overlap (a page both read and written).
-inline void copy_cpu(const CpuPages& to, const CpuPages& from, const int64_t* src, const int64_t* dst, int64_t n,
-                     int64_t n_layers, const kernels::BlockShape& shape, bool same_layout) {
-  if (n == 0) return;
-  const int64_t page_bytes = to.page_bytes;
-  auto copy_range = [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t layer = item / n;
-      const int64_t i = item % n;
-      const int64_t from_off = layer * from.layer_bytes + src[i] * from.page_bytes;
-      const int64_t to_off = layer * to.layer_bytes + dst[i] * to.page_bytes;
-      if (same_layout) {
-        std::memcpy(to.k + to_off, from.k + from_off, static_cast<size_t>(page_bytes));
-        std::memcpy(to.v + to_off, from.v + from_off, static_cast<size_t>(page_bytes));
-      } else {
-        kernels::copy_block(to.k + to_off, to.strides, from.k + from_off, from.strides, shape);
-        kernels::copy_block(to.v + to_off, to.strides, from.v + from_off, from.strides, shape);
-      }
-    }
-  };
-  const int64_t grain = kernels::grain_for(2 * page_bytes);
-  if (n * n_layers <= grain) {
-    copy_range(0, n * n_layers);  // one chunk: skip the thread pool (copy-on-write of one page)
-  } else {
-    at::parallel_for(0, n * n_layers, grain, copy_range);
-  }
-}
-
-/// Device-agnostic: to[:, dst] = from[:, src] (relayout by transpose); the
-/// index_select materialises every source page before any write, so
-/// overlapping lists read the old contents.
-inline void copy_generic(const at::Tensor& to, const at::Tensor& from, const int64_t* src, const int64_t* dst,
-                         int64_t n, bool same_layout) {
-  if (n == 0) return;
-  const auto list = [n](const int64_t* ids, const at::Device& device) {
-    return kernels::host_index(std::vector<int64_t>(ids, ids + n), device);
-  };
-  at::Tensor pages = from.index_select(1, list(src, from.device()));
-  // [L, n, a, b, D]: NHD pages are [P, H, D] and HND pages [H, P, D].
-  if (!same_layout) pages = pages.transpose(2, 3).contiguous();
-  if (pages.device() != to.device()) pages = pages.to(to.device());
-  to.index_copy_(1, list(dst, to.device()), pages);
-}
-
-/// One of a cache's page tensors ([n_layers, n_pages, ...]) as raw bytes:
-/// codes, native elements or scales of one side.
-struct CpuTensorPages {
-  char* data;
-  int64_t layer_bytes;            ///< bytes between layers
-  int64_t page_bytes;             ///< bytes between pages
-  kernels::BlockStrides strides;  ///< inside a page
-};
-
-/// to[dst[i]] <- from[src[i]], i < n, every layer, for one page tensor of
-/// each cache (a quantized cache copies codes and scales of each side this
-/// way). Pages must not overlap.
-inline void copy_cpu_tensor(const CpuTensorPages& to, const CpuTensorPages& from, const int64_t* src,
-                            const int64_t* dst, int64_t n, int64_t n_layers, const kernels::BlockShape& shape,
-                            bool same_layout) {
-  if (n == 0) return;
-  auto copy_range = [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t layer = item / n;
-      const int64_t i = item % n;
-      char* out = to.data + layer * to.layer_bytes + dst[i] * to.page_bytes;
-      const char* in = from.data + layer * from.layer_bytes + src[i] * from.page_bytes;
-      if (same_layout) {
-        std::memcpy(out, in, static_cast<size_t>(to.page_bytes));
-      } else {
-        kernels::copy_block(out, to.strides, in, from.strides, shape);
-      }
-    }
-  };
-  const int64_t grain = kernels::grain_for(to.page_bytes);
-  if (n * n_layers <= grain) {
-    copy_range(0, n * n_layers);
-  } else {
-    at::parallel_for(0, n * n_layers, grain, copy_range);
-  }
 }
 
 /// The page tensors of a cache with a quantized side, each with the

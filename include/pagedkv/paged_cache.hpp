@@ -15,13 +15,14 @@
 
 #include "pagedkv/cache_view.hpp"
 #include "pagedkv/checks.hpp"
+#include "pagedkv/cpu/quant/kernels.hpp"
+#include "pagedkv/generic/quant_kernels.hpp"
 #include "pagedkv/kernels.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_copy.hpp"
 #include "pagedkv/page_pool.hpp"
 #include "pagedkv/page_table.hpp"
-#include "pagedkv/quant_kernels.hpp"
 
 namespace pagedkv {
 

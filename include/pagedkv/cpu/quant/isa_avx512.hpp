@@ -2,7 +2,7 @@
 // spelled in intrinsics, 16 elements at a time, and fp16 <-> float32 rows
 // by F16C at 512 bits. The amax of fp16 / bf16 rows inlines the AVX2 path's
 // (isa_avx2.hpp), which is as fast. Each function is compiled for that
-// target alone (PAGEDKV_TARGET_AVX512); quant_codecs.hpp calls them only
+// target alone (PAGEDKV_TARGET_AVX512); cpu/quant/codecs.hpp calls them only
 // where the CPU has the instructions.
 #pragma once
 
@@ -10,9 +10,9 @@
 #include <cstdint>
 #include <limits>
 
-#include "pagedkv/attention/isa_avx512.hpp"
-#include "pagedkv/quant/isa_avx2.hpp"
-#include "pagedkv/quant/scalar.hpp"
+#include "pagedkv/cpu/quant/isa_avx2.hpp"
+#include "pagedkv/cpu/quant/scalar.hpp"
+#include "pagedkv/simd/isa_avx512.hpp"
 
 #ifdef PAGEDKV_ATTENTION_AVX512
 
@@ -250,7 +250,7 @@ PAGEDKV_TARGET_AVX512 void dequantize_avx512(const typename Codec<F>::Code* code
 #endif
 
 // GCC 12's AVX-512 conversion intrinsics pass _mm512_undefined_ps() as the
-// masked-off source, which -Wmaybe-uninitialized flags (as isa_avx512.hpp).
+// masked-off source, which -Wmaybe-uninitialized flags (as simd/isa_avx512.hpp).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"

@@ -6,9 +6,9 @@
 
 #include <vector>
 
-#include "pagedkv/attention/isa_avx2.hpp"
-#include "pagedkv/attention/isa_avx512.hpp"
-#include "pagedkv/attention/isa_portable.hpp"
+#include "pagedkv/simd/isa_avx2.hpp"
+#include "pagedkv/simd/isa_avx512.hpp"
+#include "pagedkv/simd/isa_portable.hpp"
 
 #ifdef PAGEDKV_ATTENTION_AVX2
 #include <cpuid.h>

@@ -4,8 +4,8 @@
 // logical dtype, and fp16 / bf16 <-> float32 rows.
 //
 // The codecs themselves are defined once, as scalar functions, in
-// quant/scalar.hpp (also the portable path); quant/isa_avx2.hpp and
-// quant/isa_avx512.hpp compute the same results 8 or 16 elements at a time.
+// cpu/quant/scalar.hpp (also the portable path); cpu/quant/isa_avx2.hpp and
+// cpu/quant/isa_avx512.hpp compute the same results 8 or 16 elements at a time.
 // The functions here choose the path. Every path gives the same bits
 // (tests: every fp16 input and 10^7 random floats;
 // bench/tools/encoder_exhaustive: every float32). The vector paths quantize
@@ -17,11 +17,11 @@
 #include <cstdint>
 #include <cstring>
 
-#include "pagedkv/attention/isa.hpp"
+#include "pagedkv/cpu/quant/isa_avx2.hpp"
+#include "pagedkv/cpu/quant/isa_avx512.hpp"
+#include "pagedkv/cpu/quant/scalar.hpp"
 #include "pagedkv/kv_format.hpp"
-#include "pagedkv/quant/isa_avx2.hpp"
-#include "pagedkv/quant/isa_avx512.hpp"
-#include "pagedkv/quant/scalar.hpp"
+#include "pagedkv/simd/isa.hpp"
 
 namespace pagedkv {
 namespace quant {

@@ -18,8 +18,8 @@
 #include <cstdint>
 #include <limits>
 
-#include "pagedkv/attention/constants.hpp"
-#include "pagedkv/attention/convert.hpp"
+#include "pagedkv/simd/constants.hpp"
+#include "pagedkv/simd/convert.hpp"
 
 #define PAGEDKV_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -107,7 +107,7 @@ struct Avx2 {
   }
 
  public:
-  // 8 elements as float32 (also the codecs' loads, quant/isa_avx2.hpp).
+  // 8 elements as float32 (also the codecs' loads, cpu/quant/isa_avx2.hpp).
   PAGEDKV_TARGET_AVX2 static __m256 load8(const float* p) noexcept { return _mm256_loadu_ps(p); }
   PAGEDKV_TARGET_AVX2 static __m256 load8(const c10::Half* p) noexcept {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

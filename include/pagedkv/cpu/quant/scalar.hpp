@@ -7,7 +7,7 @@
 // Every routine is a branch-free scalar function, and the row loops over
 // them are the portable path. The AVX2 (isa_avx2.hpp) and AVX-512
 // (isa_avx512.hpp) paths compute the same results in intrinsics (g++ 12
-// does not vectorise the scalar loops); quant_codecs.hpp chooses between
+// does not vectorise the scalar loops); cpu/quant/codecs.hpp chooses between
 // them at run time with the attention kernel's Isa. Tests check that every
 // path is bit-identical to these functions on every fp16 input and 10^7
 // random floats.
@@ -20,8 +20,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "pagedkv/attention/convert.hpp"
 #include "pagedkv/kv_format.hpp"
+#include "pagedkv/simd/convert.hpp"
 
 namespace pagedkv {
 namespace quant {

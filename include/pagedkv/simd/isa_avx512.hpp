@@ -5,7 +5,7 @@
 // that have it. Same results as Portable within float rounding.
 #pragma once
 
-#include "pagedkv/attention/isa_avx2.hpp"
+#include "pagedkv/simd/isa_avx2.hpp"
 
 #ifdef PAGEDKV_ATTENTION_AVX2  // x86-64 with g++ or clang: AVX-512 intrinsics exist too
 #define PAGEDKV_ATTENTION_AVX512 1
@@ -17,8 +17,8 @@
 #include <cstdint>
 #include <limits>
 
-#include "pagedkv/attention/constants.hpp"
-#include "pagedkv/attention/convert.hpp"
+#include "pagedkv/simd/constants.hpp"
+#include "pagedkv/simd/convert.hpp"
 
 #define PAGEDKV_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 
@@ -119,7 +119,7 @@ struct Avx512 {
   }
 
  public:
-  // 16 elements as float32 (also the codecs' loads, quant/isa_avx512.hpp).
+  // 16 elements as float32 (also the codecs' loads, cpu/quant/isa_avx512.hpp).
   PAGEDKV_TARGET_AVX512 static __m512 load16(const float* p) noexcept { return _mm512_loadu_ps(p); }
   PAGEDKV_TARGET_AVX512 static __m512 load16(const c10::Half* p) noexcept {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

@@ -6,8 +6,9 @@
 // kRowsAtOnce at a time, so that each key and value vector loaded serves all
 // of them. Where a token's heads are adjacent (NHD) the block is read chunk
 // by chunk, every head of a chunk in a row, so that memory is read a few KiB
-// at a time in order (PieceOrder, prefetch.hpp). Work items come from
-// plan.hpp; the arithmetic from the instruction set isa.hpp selects.
+// at a time in order (PieceOrder, cpu/attention/prefetch.hpp). Work items come from
+// cpu/attention/plan.hpp; the arithmetic from the instruction set
+// simd/isa.hpp selects.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -21,15 +22,15 @@
 #include <type_traits>
 #include <vector>
 
-#include "pagedkv/attention/constants.hpp"
-#include "pagedkv/attention/convert.hpp"
-#include "pagedkv/attention/isa.hpp"
-#include "pagedkv/attention/plan.hpp"
-#include "pagedkv/attention/prefetch.hpp"
-#include "pagedkv/kernels.hpp"
+#include "pagedkv/cpu/attention/plan.hpp"
+#include "pagedkv/cpu/attention/prefetch.hpp"
+#include "pagedkv/cpu/write_gather.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_table.hpp"
+#include "pagedkv/simd/constants.hpp"
+#include "pagedkv/simd/convert.hpp"
+#include "pagedkv/simd/isa.hpp"
 
 namespace pagedkv {
 namespace attention_kernels {
@@ -52,7 +53,7 @@ inline KVSide layer_side(const at::Tensor& pages, const at::Tensor& scales, KVFo
 }
 
 /// What a code's scale is multiplied by so that scale * (decoded code) is
-/// the stored value: fp8 codes decode to e4m3(c) / 2^8 (convert.hpp).
+/// the stored value: fp8 codes decode to e4m3(c) / 2^8 (simd/convert.hpp).
 inline float code_unit(KVFormat format) noexcept {
   return format == KVFormat::fp8_e4m3 ? kE4m3ViaHalfFactor : 1.0f;
 }
@@ -321,7 +322,7 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
   const int64_t k_bytes = D * pr.k.elem_size;
   const int64_t v_bytes = D * pr.v.elem_size;
   // A side read ahead is scored / accumulated a chunk at a time, each
-  // chunk after the prefetch of the chunk read after it (prefetch.hpp);
+  // chunk after the prefetch of the chunk read after it (cpu/attention/prefetch.hpp);
   // otherwise a whole block at once.
   const bool prefetch_k = !kCopies && prefetches_side(pr.g, pr.k.elem_size);
   const bool prefetch_v = !kCopies && prefetches_side(pr.g, pr.v.elem_size);

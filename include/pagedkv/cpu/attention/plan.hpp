@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "pagedkv/attention/constants.hpp"
+#include "pagedkv/simd/constants.hpp"
 
 namespace pagedkv {
 namespace attention_kernels {

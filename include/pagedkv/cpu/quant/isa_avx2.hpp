@@ -1,7 +1,7 @@
 // The codecs' AVX2 path (AVX2 + FMA + F16C; x86-64 with g++ or clang): the
 // scalar functions of scalar.hpp spelled in intrinsics, 8 elements at a
 // time, and fp16 <-> float32 rows by F16C. Each function is compiled for
-// that target alone (PAGEDKV_TARGET_AVX2); quant_codecs.hpp calls them only
+// that target alone (PAGEDKV_TARGET_AVX2); cpu/quant/codecs.hpp calls them only
 // where the CPU has the instructions.
 #pragma once
 
@@ -10,8 +10,8 @@
 #include <limits>
 #include <type_traits>
 
-#include "pagedkv/attention/isa_avx2.hpp"
-#include "pagedkv/quant/scalar.hpp"
+#include "pagedkv/cpu/quant/scalar.hpp"
+#include "pagedkv/simd/isa_avx2.hpp"
 
 #ifdef PAGEDKV_ATTENTION_AVX2
 

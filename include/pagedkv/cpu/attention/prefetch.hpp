@@ -11,8 +11,8 @@
 #include <cstdint>
 #include <limits>
 
-#include "pagedkv/attention/constants.hpp"
 #include "pagedkv/layouts.hpp"
+#include "pagedkv/simd/constants.hpp"
 
 namespace pagedkv {
 namespace attention_kernels {

@@ -21,8 +21,8 @@
 #include <cstring>
 #include <type_traits>
 
-#include "pagedkv/attention/constants.hpp"
-#include "pagedkv/attention/convert.hpp"
+#include "pagedkv/simd/constants.hpp"
+#include "pagedkv/simd/convert.hpp"
 
 namespace pagedkv {
 namespace attention_kernels {

@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "pagedkv/kernels.hpp"
+#include "pagedkv/generic/kernels.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_table.hpp"
 
