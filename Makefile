@@ -94,8 +94,9 @@ fuzz:
 	build-fuzz/fuzz_transfer -max_total_time=$(FUZZ_SECONDS) -max_len=512 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/transfer- fuzz/corpus-transfer-run fuzz/corpus-transfer
 
-# cppcheck and clang-tidy over include/ (scripts/lint).
-LINT_PACKAGES := cppcheck clang-tidy-14 libtorch-dev
+# The headers' layering, each header compiled alone, cppcheck and clang-tidy
+# over include/ (scripts/lint).
+LINT_PACKAGES := cppcheck clang-tidy-14 g++ python3 libtorch-dev
 lint:
 	@./scripts/install-deps $(LINT_PACKAGES)
-	./scripts/lint
+	JOBS=$(JOBS) ./scripts/lint
