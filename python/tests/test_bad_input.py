@@ -185,6 +185,9 @@ def test_every_op_error_is_a_runtime_error(setup):
         ops.gather(cache.k_cache, cache.v_cache, 7, pt, **cache_kwargs(cache), dtype=torch.float16
                    if cache.k_scales is not None else None)
     assert type(info.value) is RuntimeError
+    with pytest.raises(RuntimeError) as info:  # the classes too
+        cache.gather(7, pt)
+    assert type(info.value) is RuntimeError
 
 
 # ---- the classes ----
@@ -292,6 +295,13 @@ def test_sequence_table_and_prefix_cache(layout):
     raises_runtime(lambda: seqs.length(3), "argument 'seq'")
     raises_runtime(lambda: seqs.batch([s, 5]), "SequenceTable<%s>::batch" % layout, "argument 'seq'", "got 5")
     raises_runtime(lambda: seqs.swap_out(s, seqs), "swap_out")
+    for method, args in (("fork", (9,)), ("release", (9,)), ("prepare_append", (9, 1)), ("pages", (9,)),
+                         ("capacity", (9,)), ("swapped", (9,)), ("swap_in", (9, seqs))):
+        raises_runtime(lambda: getattr(seqs, method)(*args), "pagedkv::SequenceTable<%s>::%s" % (layout, method),
+                       "argument 'seq'", "got 9")
+    raises_runtime(lambda: seqs.prepare_append(s, -2), "argument 'n_tokens' expected >= 0")
+    raises_runtime(lambda: seqs.swap_in(s, seqs), "swap_in", "expected a swapped-out sequence")
+    assert not seqs.contains(9)
     assert_unchanged(cache, before)
     seqs.commit_append(s, 6)
     prefix = pagedkv.PrefixCache(seqs)
