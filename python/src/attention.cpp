@@ -1,7 +1,6 @@
 // pagedkv.paged_attention (on a CacheView) and the stateless op
-// pagedkv::paged_attention, in one file: the attention kernel, compiled for
-// every instruction set and dtype, is the heaviest template of the library
-// and is instantiated here once.
+// pagedkv::paged_attention, in one file, over one set of instances of the
+// CPU attention kernel (compiled in attention_{f32,f16,bf16}.cpp).
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -13,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention_kernel.hpp"
 #include "handles.hpp"
 #include "op_checks.hpp"
 #include "pagedkv/attention.hpp"
@@ -20,6 +20,11 @@
 #include "pagedkv/kernels.hpp"
 #include "pagedkv/page_table.hpp"
 #include "stateless.hpp"
+
+// Compiled in attention_f32.cpp, attention_f16.cpp, attention_bf16.cpp.
+PAGEDKV_PY_ATTENTION_KERNEL(extern, float)
+PAGEDKV_PY_ATTENTION_KERNEL(extern, c10::Half)
+PAGEDKV_PY_ATTENTION_KERNEL(extern, c10::BFloat16)
 
 namespace pagedkv_py {
 
