@@ -107,7 +107,7 @@ class Cache {
   }
 
  private:
-  // unique_ptr: views, tables and prefix caches hold pointers into the cache.
+  /// The C++ cache; by pointer, since views, tables and prefix caches hold its address.
   std::variant<std::unique_ptr<pagedkv::PagedCache<pagedkv::NHD>>, std::unique_ptr<pagedkv::PagedCache<pagedkv::HND>>>
       cache_;
 };
@@ -130,6 +130,7 @@ class View {
   int64_t total_len() const;
 
  private:
+  /// The C++ view, of the cache's layout.
   std::variant<pagedkv::CacheView<pagedkv::NHD>, pagedkv::CacheView<pagedkv::HND>> view_;
 };
 
@@ -161,6 +162,7 @@ class Sequences {
   }
 
  private:
+  /// The C++ table (neither copyable nor movable: held by pointer), of the cache's layout.
   std::variant<std::unique_ptr<pagedkv::SequenceTable<pagedkv::NHD>>,
                std::unique_ptr<pagedkv::SequenceTable<pagedkv::HND>>>
       table_;
@@ -183,6 +185,7 @@ class Prefix {
   void check() const;
 
  private:
+  /// The C++ prefix cache (attached to the table by address: held by pointer), of the table's layout.
   std::variant<std::unique_ptr<pagedkv::PrefixCache<pagedkv::NHD>>,
                std::unique_ptr<pagedkv::PrefixCache<pagedkv::HND>>>
       prefix_;

@@ -298,3 +298,26 @@ def test_outputs_never_require_grad(layout):
     assert not out.requires_grad
     kc = cache.k_cache.clone().requires_grad_(True)
     assert not any(t.requires_grad for t in ops.gather(kc, cache.v_cache, 0, pt, layout=layout))
+
+
+@pytest.mark.parametrize("where", ["inference_mode", "created_in_inference_mode", "no_grad"])
+def test_engine_contexts(where):
+    """Engines run under torch.inference_mode() or no_grad; a cache made in inference mode holds inference
+    tensors, which the ops and methods must still write outside it."""
+    if where == "created_in_inference_mode":
+        with torch.inference_mode():
+            cache = make_cache("NHD", torch.float32)
+        context = torch.no_grad()
+    else:
+        cache = make_cache("NHD", torch.float32)
+        context = torch.inference_mode() if where == "inference_mode" else torch.no_grad()
+    with context:
+        pages = cache.alloc_n(2)
+        pt = torch.tensor([pages])
+        k = torch.randn(1, 5, 2, 8)
+        ops.write(cache.k_cache, cache.v_cache, 0, pt, 0, k, k)
+        cache.write(1, pt, 0, k, k)
+        for layer in range(2):
+            assert_bit_equal(ops.gather(cache.k_cache, cache.v_cache, layer, pt, 5)[0], k)
+        out = ops.paged_attention(cache.k_cache, cache.v_cache, 0, pt, torch.tensor([5]), torch.randn(1, 1, 2, 8))
+        assert out.shape == (1, 1, 2, 8)
