@@ -16,13 +16,14 @@
 #include "handles.hpp"
 #include "op_checks.hpp"
 #include "pagedkv/checks.hpp"
+#include "pagedkv/cpu/quant/kernels.hpp"
+#include "pagedkv/generic/quant_kernels.hpp"
 #include "pagedkv/kernels.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_copy.hpp"
 #include "pagedkv/page_table.hpp"
 #include "pagedkv/paged_cache.hpp"
-#include "pagedkv/quant_kernels.hpp"
 #include "stateless.hpp"
 
 namespace pagedkv_py {
