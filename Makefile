@@ -7,7 +7,8 @@ CMAKE_ARGS ?=
 
 DEBIAN_PACKAGES := cmake g++ make libtorch-dev libgloo-dev googletest libgtest-dev libbenchmark-dev python3-torch
 
-.PHONY: deps configure build test example example-disaggregated bench clean test-sanitize fuzz lint test-torch2
+.PHONY: deps configure build test example example-disaggregated bench clean test-sanitize fuzz lint test-torch2 \
+        test-python test-python-debian test-python-torch2 bench-python
 
 deps:
 	@./scripts/install-deps $(DEBIAN_PACKAGES)
@@ -18,8 +19,11 @@ configure: deps
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
+# ctest, then the Python package against Debian's python3-torch 1.13
+# (scripts/test-python: pip install --no-build-isolation ./python, pytest).
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	./scripts/test-python debian $(BUILD) $(JOBS)
 
 example: configure
 	cmake --build $(BUILD) -j $(JOBS) --target attention_loop
@@ -53,6 +57,27 @@ TORCH2_PREFIX ?= /opt/pagedkv-torch2
 BUILD_TORCH2 ?= build-torch2
 test-torch2: deps
 	./scripts/test-torch2 $(TORCH2_PREFIX) $(TORCH2_VERSION) $(BUILD_TORCH2) $(JOBS) $(CMAKE_ARGS)
+	./scripts/test-python torch2 $(BUILD_TORCH2) $(JOBS) $(TORCH2_PREFIX) $(TORCH2_VERSION)
+
+# ---- Python (python/, package pagedkv; make test and make test-torch2 run these) ----
+
+# The package built and tested in a fresh venv against each torch: Debian's
+# python3-torch 1.13 (venv in $(BUILD)/python-venv), and pip's torch 2.x in
+# TORCH2_PREFIX (venv in $(BUILD_TORCH2)/python-venv). PYTEST_ARGS go to pytest.
+PYTEST_ARGS ?=
+test-python: test-python-debian test-python-torch2
+test-python-debian:
+	./scripts/test-python debian $(BUILD) $(JOBS) $(PYTEST_ARGS)
+test-python-torch2:
+	./scripts/test-python torch2 $(BUILD_TORCH2) $(JOBS) $(TORCH2_PREFIX) $(TORCH2_VERSION) $(PYTEST_ARGS)
+
+# The original Python PagedCache against pagedkv.PagedCache from Python
+# (bench/python_bench.py), against Debian's torch 1.13 (the venv of
+# test-python-debian); e.g. BENCH_PYTHON_ARGS="--threads 2".
+BENCH_PYTHON_ARGS ?=
+bench-python:
+	./scripts/test-python --install-only debian $(BUILD) $(JOBS)
+	$(BUILD)/python-venv/bin/python bench/python_bench.py $(BENCH_PYTHON_ARGS)
 
 # ---- reliability (CI runs all three after `make test`) ----
 

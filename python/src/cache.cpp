@@ -1,0 +1,466 @@
+// pagedkv.PagedCache (pool, write, gather, bind, page copies) and the
+// stateless ops that move K/V: pagedkv::write, pagedkv::gather,
+// pagedkv::copy_pages. Both in one file so that each kernel template is
+// compiled once.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "handles.hpp"
+#include "op_checks.hpp"
+#include "pagedkv/checks.hpp"
+#include "pagedkv/cpu/quant/kernels.hpp"
+#include "pagedkv/generic/quant_kernels.hpp"
+#include "pagedkv/kernels.hpp"
+#include "pagedkv/kv_format.hpp"
+#include "pagedkv/layouts.hpp"
+#include "pagedkv/page_copy.hpp"
+#include "pagedkv/page_table.hpp"
+#include "pagedkv/paged_cache.hpp"
+#include "stateless.hpp"
+
+namespace pagedkv_py {
+
+using pagedkv::HND;
+using pagedkv::KVFormat;
+using pagedkv::NHD;
+using pagedkv::PageGeometry;
+using pagedkv::PageTableRef;
+namespace checks = pagedkv::checks;
+namespace kernels = pagedkv::kernels;
+namespace quant_kernels = pagedkv::quant_kernels;
+
+// ---------------------------------------------------------------- classes
+
+KVFormat parse_format(const char* arg, const std::string& name) {
+  if (name == "native") return KVFormat::native;
+  if (name == "fp8" || name == "fp8_e4m3") return KVFormat::fp8_e4m3;
+  if (name == "int8") return KVFormat::int8;
+  TORCH_CHECK(false, "pagedkv.PagedCache: argument '", arg, "' expected \"native\", \"fp8\" or \"int8\", got \"", name,
+              "\"");
+}
+
+Cache::Cache(int64_t n_layers, int64_t n_pages, int64_t page_size, int64_t n_kv_heads, int64_t head_dim,
+             const at::Tensor& like, const std::string& layout, const std::string& k_format,
+             const std::string& v_format) {
+  TORCH_CHECK(layout == "NHD" || layout == "HND", "pagedkv.PagedCache: argument 'layout' expected \"NHD\" or \"HND\", got \"",
+              layout, "\"");
+  const pagedkv::KVQuant quant{parse_format("k_format", k_format), parse_format("v_format", v_format)};
+  const at::TensorOptions options = at::TensorOptions().dtype(like.scalar_type()).device(like.device());
+  if (layout == "NHD") {
+    cache_ = std::make_unique<pagedkv::PagedCache<NHD>>(n_layers, n_pages, page_size, n_kv_heads, head_dim, options,
+                                                        quant);
+  } else {
+    cache_ = std::make_unique<pagedkv::PagedCache<HND>>(n_layers, n_pages, page_size, n_kv_heads, head_dim, options,
+                                                        quant);
+  }
+}
+
+int64_t Cache::alloc() {
+  return visit([](auto& c) { return c.alloc(); });
+}
+std::vector<int64_t> Cache::alloc_n(int64_t n) {
+  return visit([&](auto& c) { return c.alloc_n(n); });
+}
+void Cache::free(int64_t page) {
+  visit([&](auto& c) { c.free(page); });
+}
+void Cache::retain(int64_t page) {
+  visit([&](auto& c) { c.retain(page); });
+}
+int64_t Cache::ref_count(int64_t page) const {
+  return visit([&](const auto& c) { return c.ref_count(page); });
+}
+int64_t Cache::n_free() const {
+  return visit([](const auto& c) { return c.n_free(); });
+}
+
+void Cache::write(int64_t layer, const at::Tensor& page_table, int64_t start_pos, const at::Tensor& k,
+                  const at::Tensor& v) {
+  visit([&](auto& c) { c.write(layer, page_table, start_pos, k, v); });
+}
+void Cache::write(int64_t layer, const at::Tensor& page_table, const at::Tensor& start_pos, const at::Tensor& k,
+                  const at::Tensor& v) {
+  visit([&](auto& c) { c.write(layer, page_table, start_pos, k, v); });
+}
+std::pair<at::Tensor, at::Tensor> Cache::gather(int64_t layer, const at::Tensor& page_table) const {
+  return visit([&](const auto& c) { return c.gather(layer, page_table); });
+}
+std::pair<at::Tensor, at::Tensor> Cache::gather(int64_t layer, const at::Tensor& page_table,
+                                                const at::Tensor& lengths) const {
+  return visit([&](const auto& c) { return c.gather(layer, page_table, lengths); });
+}
+View Cache::bind(const at::Tensor& page_table, int64_t total_len) {
+  return visit([&](auto& c) { return View(c.bind(page_table, total_len)); });
+}
+View Cache::bind(const at::Tensor& page_table, const at::Tensor& lengths) {
+  return visit([&](auto& c) { return View(c.bind(page_table, lengths)); });
+}
+void Cache::copy_pages(const at::Tensor& src, const at::Tensor& dst) {
+  visit([&](auto& c) { c.copy_pages(src, dst); });
+}
+void Cache::copy_pages_from(const Cache& other, const at::Tensor& src, const at::Tensor& dst) {
+  visit([&](auto& c) { other.visit([&](const auto& o) { c.copy_pages_from(o, src, dst); }); });
+}
+void Cache::check() const {
+  visit([](const auto& c) { c.check(); });
+}
+
+const at::Tensor& Cache::k_cache() const {
+  return visit([](const auto& c) -> const at::Tensor& { return c.k_cache(); });
+}
+const at::Tensor& Cache::v_cache() const {
+  return visit([](const auto& c) -> const at::Tensor& { return c.v_cache(); });
+}
+const at::Tensor& Cache::k_scales() const {
+  return visit([](const auto& c) -> const at::Tensor& { return c.k_scales(); });
+}
+const at::Tensor& Cache::v_scales() const {
+  return visit([](const auto& c) -> const at::Tensor& { return c.v_scales(); });
+}
+pagedkv::KVQuant Cache::quant() const {
+  return visit([](const auto& c) { return c.quant(); });
+}
+at::ScalarType Cache::dtype() const {
+  return visit([](const auto& c) { return c.dtype(); });
+}
+int64_t Cache::n_layers() const {
+  return visit([](const auto& c) { return c.n_layers(); });
+}
+int64_t Cache::n_pages() const {
+  return visit([](const auto& c) { return c.n_pages(); });
+}
+int64_t Cache::page_size() const {
+  return visit([](const auto& c) { return c.page_size(); });
+}
+int64_t Cache::n_kv_heads() const {
+  return visit([](const auto& c) { return c.n_kv_heads(); });
+}
+int64_t Cache::head_dim() const {
+  return visit([](const auto& c) { return c.head_dim(); });
+}
+const char* Cache::layout() const {
+  return cache_.index() == 0 ? NHD::name : HND::name;
+}
+
+void View::write(int64_t layer, int64_t start_pos, const at::Tensor& k, const at::Tensor& v) const {
+  std::visit([&](const auto& view) { view.write(layer, start_pos, k, v); }, view_);
+}
+void View::write(int64_t layer, const at::Tensor& start_pos, const at::Tensor& k, const at::Tensor& v) const {
+  std::visit([&](const auto& view) { view.write(layer, start_pos, k, v); }, view_);
+}
+std::pair<at::Tensor, at::Tensor> View::gather(int64_t layer) const {
+  return std::visit([&](const auto& view) { return view.gather(layer); }, view_);
+}
+const at::Tensor& View::page_table() const {
+  return std::visit([](const auto& view) -> const at::Tensor& { return view.page_table(); }, view_);
+}
+const at::Tensor& View::lengths() const {
+  return std::visit([](const auto& view) -> const at::Tensor& { return view.lengths(); }, view_);
+}
+int64_t View::total_len() const {
+  return std::visit([](const auto& view) { return view.total_len(); }, view_);
+}
+
+// ---------------------------------------------------------------- ops
+
+namespace {
+
+using op_checks::Storage;
+
+at::Tensor layer_of(const at::Tensor& t, int64_t layer) { return t.defined() ? t.select(0, layer) : at::Tensor(); }
+
+/// Calls f(T{}) with the C++ type of a quantized cache's logical dtype (float32, float16 or bfloat16).
+template <class F>
+void visit_float_dtype(at::ScalarType dtype, const F& f) {
+  switch (dtype) {
+    case at::kHalf: return f(c10::Half());
+    case at::kBFloat16: return f(c10::BFloat16());
+    default: return f(float());
+  }
+}
+
+/// Side `side` (0: K, 1: V) of one layer as raw bytes for the CPU kernels of quantized pages.
+template <class Byte>
+quant_kernels::SidePages<Byte> side_pages(const Storage& s, int side, int64_t layer) {
+  const at::Tensor& pages = side == 0 ? s.k : s.v;
+  const at::Tensor& scales = side == 0 ? s.k_scales : s.v_scales;
+  return {side == 0 ? s.quant.k : s.quant.v, kernels::layer_bytes(pages, layer),
+          scales.defined() ? kernels::layer_floats(scales, layer) : nullptr,
+          static_cast<int64_t>(pages.element_size())};
+}
+
+/// PagedCache::write_checked's dispatch, on validated op arguments.
+template <class Index>
+void write_unchecked(const Storage& s, int64_t layer, const PageTableRef<Index>& table,
+                     const std::vector<int64_t>& starts, int64_t n_tokens, const at::Tensor& k, const at::Tensor& v) {
+  const PageGeometry& g = s.geometry;
+  const bool cpu = kernels::use_cpu_kernels(s.device());
+  if (is_quantized(s.quant)) {
+    if (!cpu) {
+      quant_kernels::write_side_generic(table, starts, n_tokens, k, s.quant.k, s.k.select(0, layer),
+                                        layer_of(s.k_scales, layer), g);
+      quant_kernels::write_side_generic(table, starts, n_tokens, v, s.quant.v, s.v.select(0, layer),
+                                        layer_of(s.v_scales, layer), g);
+      return;
+    }
+    const auto tokens_of = [](const at::Tensor& x) {
+      return quant_kernels::SideTokens<const char>{static_cast<const char*>(x.data_ptr()),
+                                                   x.stride(0) * static_cast<int64_t>(x.element_size()),
+                                                   kernels::token_major_strides(x)};
+    };
+    const quant_kernels::SideTokens<const char> src[2] = {tokens_of(k), tokens_of(v)};
+    const quant_kernels::SidePages<char> dst[2] = {side_pages<char>(s, 0, layer), side_pages<char>(s, 1, layer)};
+    visit_float_dtype(k.scalar_type(), [&](auto t) {
+      quant_kernels::write_sides_cpu<decltype(t)>(table, starts, n_tokens, src, dst, g);
+    });
+    return;
+  }
+  if (cpu) {
+    const auto elem_size = static_cast<int64_t>(s.k.element_size());
+    const auto src = kernels::token_major(static_cast<const char*>(k.data_ptr()), k,
+                                          static_cast<const char*>(v.data_ptr()), v);
+    const kernels::LayerPages<char> dst{kernels::layer_bytes(s.k, layer), kernels::layer_bytes(s.v, layer),
+                                        g.page_elems * elem_size, kernels::page_strides(g, elem_size)};
+    kernels::write_cpu(table, starts, n_tokens, src, dst, g, elem_size);
+    return;
+  }
+  kernels::write_generic(table, starts, n_tokens, k, v, s.k.select(0, layer), s.v.select(0, layer), g);
+}
+
+/// Storage of the CPU gathers' outputs, recycled as PagedCache recycles its own (kernels::OutputRecycler).
+kernels::OutputRecycler& op_outputs() {
+  static kernels::OutputRecycler recycler;
+  return recycler;
+}
+
+/// PagedCache::gather_checked's dispatch, on validated op arguments.
+template <class Index>
+std::pair<at::Tensor, at::Tensor> gather_unchecked(const Storage& s, int64_t layer, const PageTableRef<Index>& table,
+                                                   const std::vector<int64_t>& lengths, int64_t n_tokens,
+                                                   at::ScalarType dtype) {
+  const PageGeometry& g = s.geometry;
+  const bool cpu = kernels::use_cpu_kernels(s.device());
+  const std::vector<int64_t> shape{table.rows, n_tokens, g.n_heads, g.head_dim};
+  if (is_quantized(s.quant)) {
+    at::Tensor out[2];
+    for (int side = 0; side < 2; ++side) {
+      const KVFormat format = side == 0 ? s.quant.k : s.quant.v;
+      if (!cpu) {
+        out[side] = quant_kernels::gather_side_generic(table, lengths, n_tokens, format,
+                                                       (side == 0 ? s.k : s.v).select(0, layer),
+                                                       layer_of(side == 0 ? s.k_scales : s.v_scales, layer), g, dtype);
+        continue;
+      }
+      out[side] = op_outputs().empty(static_cast<size_t>(side), shape, s.k.options().dtype(dtype));
+      const auto src = side_pages<const char>(s, side, layer);
+      visit_float_dtype(dtype, [&](auto t) {
+        using T = decltype(t);
+        quant_kernels::gather_side_cpu<T>(table, lengths, n_tokens, src, out[side].template data_ptr<T>(), g);
+      });
+    }
+    return {out[0], out[1]};
+  }
+  if (!cpu) return kernels::gather_generic(table, lengths, n_tokens, s.k.select(0, layer), s.v.select(0, layer), g);
+  at::Tensor k_out = op_outputs().empty(0, shape, s.k.options());
+  at::Tensor v_out = op_outputs().empty(1, shape, s.v.options());
+  const auto elem_size = static_cast<int64_t>(s.k.element_size());
+  const kernels::LayerPages<const char> src{kernels::layer_bytes(s.k, layer), kernels::layer_bytes(s.v, layer),
+                                            g.page_elems * elem_size, kernels::page_strides(g, elem_size)};
+  const auto dst = kernels::token_major(static_cast<char*>(k_out.data_ptr()), k_out,
+                                        static_cast<char*>(v_out.data_ptr()), v_out);
+  kernels::gather_cpu(table, lengths, n_tokens, src, dst, g, elem_size);
+  return {k_out, v_out};
+}
+
+/// The dtype a write's k and v must have: a native side's, else k's (a float type).
+at::ScalarType write_dtype(const checks::Caller& caller, const Storage& s, const at::Tensor& k) {
+  TORCH_CHECK(k.defined(), caller, ": argument 'k' expected a tensor, got an undefined one");
+  const bool has_native = !is_quantized(s.quant.k) || !is_quantized(s.quant.v);
+  return op_checks::logical_dtype(caller, s, "k", has_native ? c10::nullopt : c10::make_optional(k.scalar_type()));
+}
+
+/// The checks every write makes before its start positions: the cache tensors, layer, page table, k and v.
+Storage checked_write(const checks::Caller& caller, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      int64_t layer, const at::Tensor& page_table, const at::Tensor& k, const at::Tensor& v,
+                      c10::string_view layout, const c10::optional<at::Tensor>& k_scales,
+                      const c10::optional<at::Tensor>& v_scales) {
+  Storage s = op_checks::storage(caller, k_cache, v_cache, k_scales, v_scales, layout);
+  const at::ScalarType dtype = write_dtype(caller, s, k);
+  checks::layer(caller, layer, s.n_layers);
+  checks::page_table(caller, page_table, s.device());
+  checks::key_values(caller, k, v, page_table.size(0), s.geometry, dtype, s.device());
+  return s;
+}
+
+void write_starts(const checks::Caller& caller, const Storage& s, int64_t layer, const at::Tensor& page_table,
+                  const std::vector<int64_t>& starts, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t n_tokens = k.size(1);
+  pagedkv::visit_page_table(on_host(page_table), [&](const auto& table) {
+    for (int64_t row = 0; row < table.rows; ++row) {
+      op_checks::write_range(caller, table, row, starts[static_cast<size_t>(row)], n_tokens, s.geometry.page_size,
+                             s.n_pages);
+    }
+    // Validated: from here on nothing throws.
+    write_unchecked(s, layer, table, starts, n_tokens, k, v);
+  });
+}
+
+void write_op(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer, const at::Tensor& page_table,
+              int64_t start_pos, const at::Tensor& k, const at::Tensor& v, c10::string_view layout,
+              const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales) {
+  op_body([&] {
+    const checks::Caller caller = op_checks::op("write");
+    const Storage s = checked_write(caller, k_cache, v_cache, layer, page_table, k, v, layout, k_scales, v_scales);
+    checks::non_negative(caller, "start_pos", start_pos);
+    write_starts(caller, s, layer, page_table, std::vector<int64_t>(static_cast<size_t>(k.size(0)), start_pos), k, v);
+  });
+}
+
+void write_starts_op(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer,
+                     const at::Tensor& page_table, const at::Tensor& start_pos, const at::Tensor& k,
+                     const at::Tensor& v, c10::string_view layout, const c10::optional<at::Tensor>& k_scales,
+                     const c10::optional<at::Tensor>& v_scales) {
+  op_body([&] {
+    const checks::Caller caller = op_checks::op("write");
+    const Storage s = checked_write(caller, k_cache, v_cache, layer, page_table, k, v, layout, k_scales, v_scales);
+    write_starts(caller, s, layer, page_table,
+                 checks::per_sequence(caller, "start_pos", start_pos, k.size(0), s.device()), k, v);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> gather_op(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer,
+                                             const at::Tensor& page_table, int64_t total_len, c10::string_view layout,
+                                             const c10::optional<at::Tensor>& k_scales,
+                                             const c10::optional<at::Tensor>& v_scales,
+                                             c10::optional<at::ScalarType> dtype) {
+  return op_body([&] {
+    const checks::Caller caller = op_checks::op("gather");
+    const Storage s = op_checks::storage(caller, k_cache, v_cache, k_scales, v_scales, layout);
+    const at::ScalarType out_dtype = op_checks::logical_dtype(caller, s, "dtype", dtype);
+    checks::layer(caller, layer, s.n_layers);
+    checks::page_table(caller, page_table, s.device());
+    checks::non_negative(caller, "total_len", total_len);
+    const at::Tensor host_table = on_host(page_table);
+    const int64_t page_size = s.geometry.page_size;
+    const auto kv = pagedkv::visit_page_table(host_table, [&](const auto& table) {
+      int64_t n_tokens = total_len;
+      if (total_len == 0) {  // every mapped token, as the reference's gather
+        const int64_t cols = checks::mapped_columns(table);
+        op_checks::readable_columns(caller, table, cols, s.n_pages);
+        n_tokens = cols * page_size;
+      } else {  // the first total_len tokens, as the reference's CacheView
+        op_checks::total_len(caller, table, total_len, page_size);
+        op_checks::readable_columns(caller, table, (total_len + page_size - 1) / page_size, s.n_pages);
+      }
+      return gather_unchecked(s, layer, table, std::vector<int64_t>(static_cast<size_t>(table.rows), n_tokens),
+                              n_tokens, out_dtype);
+    });
+    return std::make_tuple(kv.first, kv.second);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> gather_lengths_op(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                                     int64_t layer, const at::Tensor& page_table,
+                                                     const at::Tensor& lengths, c10::string_view layout,
+                                                     const c10::optional<at::Tensor>& k_scales,
+                                                     const c10::optional<at::Tensor>& v_scales,
+                                                     c10::optional<at::ScalarType> dtype) {
+  return op_body([&] {
+    const checks::Caller caller = op_checks::op("gather");
+    const Storage s = op_checks::storage(caller, k_cache, v_cache, k_scales, v_scales, layout);
+    const at::ScalarType out_dtype = op_checks::logical_dtype(caller, s, "dtype", dtype);
+    checks::layer(caller, layer, s.n_layers);
+    checks::page_table(caller, page_table, s.device());
+    const std::vector<int64_t> lens = checks::per_sequence(caller, "lengths", lengths, page_table.size(0), s.device());
+    const auto kv = pagedkv::visit_page_table(on_host(page_table), [&](const auto& table) {
+      for (int64_t row = 0; row < table.rows; ++row) {
+        op_checks::mapped_prefix(caller, table, row, lens[static_cast<size_t>(row)], s.geometry.page_size, s.n_pages);
+      }
+      const int64_t n_tokens = lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());
+      return gather_unchecked(s, layer, table, lens, n_tokens, out_dtype);
+    });
+    return std::make_tuple(kv.first, kv.second);
+  });
+}
+
+/// The page tensors of op storage: [k pages, v pages, k scales, v scales],
+/// scales seen as whole pages [n_layers, n_pages, page_size * n_kv_heads].
+std::vector<at::Tensor> page_tensors(const Storage& s) { return {s.k, s.v, s.k_scales, s.v_scales}; }
+
+void copy_pages_op(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& src,
+                   const at::Tensor& dst, c10::string_view layout, const c10::optional<at::Tensor>& k_scales,
+                   const c10::optional<at::Tensor>& v_scales) {
+  op_body([&] {
+    const checks::Caller caller = op_checks::op("copy_pages");
+    const Storage s = op_checks::storage(caller, k_cache, v_cache, k_scales, v_scales, layout);
+    const std::vector<int64_t> from = op_checks::page_list(caller, "src", src, s.device(), s.n_pages);
+    const std::vector<int64_t> to = op_checks::page_list(caller, "dst", dst, s.device(), s.n_pages);
+    TORCH_CHECK(from.size() == to.size(), caller, ": arguments 'src' and 'dst' expected the same length, got ",
+                from.size(), " and ", to.size());
+    std::vector<int64_t> sorted(to);
+    std::sort(sorted.begin(), sorted.end());
+    const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+    TORCH_CHECK(dup == sorted.end(), caller, ": argument 'dst' expected distinct pages, got page ",
+                dup == sorted.end() ? int64_t{0} : *dup, " more than once");
+    // Validated: from here on nothing throws.
+    const auto n = static_cast<int64_t>(to.size());
+    if (n == 0) return;
+    const bool overlap = std::any_of(from.begin(), from.end(), [&](int64_t page) {
+      return std::binary_search(sorted.begin(), sorted.end(), page);
+    });
+    // Whole pages: the layout does not matter. The ATen path reads every
+    // source page before it writes, so overlapping lists read old contents.
+    const bool cpu = kernels::use_cpu_kernels(s.device()) && !overlap;
+    for (const at::Tensor& t : page_tensors(s)) {
+      if (!t.defined()) continue;
+      if (!cpu) {
+        pagedkv::page_copy::copy_generic(t, t, from.data(), to.data(), n, /*same_layout=*/true);
+        continue;
+      }
+      const auto page_bytes = static_cast<int64_t>(t.stride(1) * t.element_size());
+      const auto tokens = page_bytes / static_cast<int64_t>(t.element_size());
+      const pagedkv::page_copy::CpuTensorPages pages{static_cast<char*>(t.data_ptr()), s.n_pages * page_bytes,
+                                                    page_bytes, kernels::BlockStrides{0, 0, 0}};
+      pagedkv::page_copy::copy_cpu_tensor(pages, pages, from.data(), to.data(), n, s.n_layers,
+                                          kernels::BlockShape{tokens, 1, 1, static_cast<int64_t>(t.element_size())},
+                                          /*same_layout=*/true);
+    }
+  });
+}
+
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> gather_pages(const op_checks::Storage& s, int64_t layer,
+                                               const at::Tensor& host_table, const std::vector<int64_t>& lengths,
+                                               int64_t n_tokens, at::ScalarType dtype) {
+  return pagedkv::visit_page_table(
+      host_table, [&](const auto& table) { return gather_unchecked(s, layer, table, lengths, n_tokens, dtype); });
+}
+
+}  // namespace pagedkv_py
+
+TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
+  m.impl("write", &pagedkv_py::write_op);
+  m.impl("write.starts", &pagedkv_py::write_starts_op);
+  m.impl("gather", &pagedkv_py::gather_op);
+  m.impl("gather.lengths", &pagedkv_py::gather_lengths_op);
+  m.impl("copy_pages", &pagedkv_py::copy_pages_op);
+}
+
+// CUDA tensors take the library's device-agnostic ATen path, as a CUDA
+// PagedCache does today (kernels::use_cpu_kernels is false off the CPU).
+TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
+  m.impl("write", &pagedkv_py::write_op);
+  m.impl("write.starts", &pagedkv_py::write_starts_op);
+  m.impl("gather", &pagedkv_py::gather_op);
+  m.impl("gather.lengths", &pagedkv_py::gather_lengths_op);
+  m.impl("copy_pages", &pagedkv_py::copy_pages_op);
+}
