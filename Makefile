@@ -5,15 +5,17 @@ BUILD_TYPE ?= Release
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-DEBIAN_PACKAGES := cmake g++ make libtorch-dev libgloo-dev googletest libgtest-dev libbenchmark-dev python3-torch
+DEBIAN_PACKAGES := cmake g++ make libtorch-dev libgloo-dev googletest libgtest-dev libbenchmark-dev python3-torch \
+                   nlohmann-json3-dev
 
 .PHONY: deps configure build test example example-disaggregated bench clean test-sanitize fuzz lint test-torch2
 
 deps:
 	@./scripts/install-deps $(DEBIAN_PACKAGES)
 
+# PAGEDKV_BUILD_LLAMA=ON: examples/llama must build (nlohmann-json3-dev is in DEBIAN_PACKAGES).
 configure: deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DPAGEDKV_BUILD_LLAMA=ON $(CMAKE_ARGS)
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
@@ -79,7 +81,7 @@ test-sanitize: deps
 # then fuzz_transfer (a receiver fed mutated transfer headers) from
 # fuzz/corpus-transfer/ (new inputs to fuzz/corpus-transfer-run/).
 FUZZ_SECONDS ?= 60
-FUZZ_PACKAGES := cmake make clang-14 libclang-rt-14-dev libtorch-dev
+FUZZ_PACKAGES := cmake make clang-14 libclang-rt-14-dev libtorch-dev nlohmann-json3-dev
 fuzz:
 	@./scripts/install-deps $(FUZZ_PACKAGES)
 	cmake -S fuzz -B build-fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo
