@@ -50,11 +50,16 @@ clean:
 # libtorch inside pip's torch, installed once into TORCH2_PREFIX and reused
 # while its version matches (scripts/install-torch2). BUILD_TORCH2 keeps it
 # apart from the Debian-libtorch build in $(BUILD).
+# It also installs the pinned transformers (examples/llama/
+# requirements-transformers.txt) into TRANSFORMERS_PREFIX, reused the same
+# way (scripts/install-transformers), for examples/llama's comparison with
+# transformers, which runs here: against the torch the example is built with.
 TORCH2_VERSION ?= 2.15.0
 TORCH2_PREFIX ?= /opt/pagedkv-torch2
+TRANSFORMERS_PREFIX ?= /opt/pagedkv-transformers
 BUILD_TORCH2 ?= build-torch2
 test-torch2: deps
-	./scripts/test-torch2 $(TORCH2_PREFIX) $(TORCH2_VERSION) $(BUILD_TORCH2) $(JOBS) $(CMAKE_ARGS)
+	TRANSFORMERS_PREFIX=$(TRANSFORMERS_PREFIX) ./scripts/test-torch2 $(TORCH2_PREFIX) $(TORCH2_VERSION) $(BUILD_TORCH2) $(JOBS) $(CMAKE_ARGS)
 
 # ---- reliability (CI runs all three after `make test`) ----
 
