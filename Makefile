@@ -76,7 +76,7 @@ test-sanitize: deps
 	cmake --build --preset sanitize -j $(JOBS)
 	ctest --preset sanitize -j $(JOBS)
 
-# libFuzzer on the four harnesses (fuzz/), each FUZZ_SECONDS
+# libFuzzer on the six harnesses (fuzz/), each FUZZ_SECONDS
 # long: fuzz_paged_cache from the committed seeds in fuzz/corpus/ (new inputs
 # go to fuzz/corpus-run/, a crashing input to build-fuzz/crash-*), then
 # fuzz_sequences (SequenceTable) from fuzz/corpus-sequences/ (new inputs go to
@@ -84,14 +84,18 @@ test-sanitize: deps
 # then fuzz_prefix (PrefixCache) from fuzz/corpus-prefix/ (new inputs go to
 # fuzz/corpus-prefix-run/, a crashing input to build-fuzz/prefix-crash-*),
 # then fuzz_transfer (a receiver fed mutated transfer headers) from
-# fuzz/corpus-transfer/ (new inputs to fuzz/corpus-transfer-run/).
+# fuzz/corpus-transfer/ (new inputs to fuzz/corpus-transfer-run/), then
+# examples/llama's readers: fuzz_safetensors (a safetensors file) from
+# fuzz/corpus-safetensors/ and fuzz_requests (a request file) from
+# fuzz/corpus-requests/ (new inputs to fuzz/corpus-*-run/).
 FUZZ_SECONDS ?= 60
 FUZZ_PACKAGES := cmake make clang-14 libclang-rt-14-dev libtorch-dev nlohmann-json3-dev
 fuzz:
 	@./scripts/install-deps $(FUZZ_PACKAGES)
 	cmake -S fuzz -B build-fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo
 	cmake --build build-fuzz -j $(JOBS)
-	mkdir -p fuzz/corpus-run fuzz/corpus-sequences-run fuzz/corpus-prefix-run fuzz/corpus-transfer-run
+	mkdir -p fuzz/corpus-run fuzz/corpus-sequences-run fuzz/corpus-prefix-run fuzz/corpus-transfer-run \
+	  fuzz/corpus-safetensors-run fuzz/corpus-requests-run
 	build-fuzz/fuzz_paged_cache -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/ fuzz/corpus-run fuzz/corpus
 	build-fuzz/fuzz_sequences -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
@@ -100,6 +104,10 @@ fuzz:
 	  -artifact_prefix=build-fuzz/prefix- fuzz/corpus-prefix-run fuzz/corpus-prefix
 	build-fuzz/fuzz_transfer -max_total_time=$(FUZZ_SECONDS) -max_len=512 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/transfer- fuzz/corpus-transfer-run fuzz/corpus-transfer
+	build-fuzz/fuzz_safetensors -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
+	  -artifact_prefix=build-fuzz/safetensors- fuzz/corpus-safetensors-run fuzz/corpus-safetensors
+	build-fuzz/fuzz_requests -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
+	  -artifact_prefix=build-fuzz/requests- fuzz/corpus-requests-run fuzz/corpus-requests
 
 # The headers' layering, each header compiled alone, cppcheck and clang-tidy
 # over include/ (scripts/lint).

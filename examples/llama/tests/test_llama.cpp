@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
@@ -29,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "../../../fuzz/llama_inputs.hpp"
 #include "../checkpoint.hpp"
 #include "../config.hpp"
 #include "../model.hpp"
@@ -667,5 +669,31 @@ TEST_F(EngineVsPlain, RandomSchedulesAgree) {
   EXPECT_GT(recomputed, 0);
   EXPECT_GT(chunked, 0);
 }
+
+}  // namespace
+
+// ---- the fuzz harnesses' seeds (fuzz/llama_inputs.hpp), replayed ----
+
+namespace {
+
+void replay(const char* corpus, void (*run)(const uint8_t*, size_t)) {
+  const fs::path dir = fs::path(PAGEDKV_SOURCE_DIR) / "fuzz" / corpus;
+  ASSERT_TRUE(fs::is_directory(dir)) << dir;
+  int n = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    std::ifstream in(entry.path(), std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    try {
+      run(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+    } catch (const llama_fuzz::Failure& f) {
+      ADD_FAILURE() << entry.path().filename() << ": " << f.what();
+    }
+    ++n;
+  }
+  EXPECT_GT(n, 0);
+}
+
+TEST(FuzzSeeds, Safetensors) { replay("corpus-safetensors", llama_fuzz::run_safetensors_input); }
+TEST(FuzzSeeds, Requests) { replay("corpus-requests", llama_fuzz::run_requests_input); }
 
 }  // namespace
