@@ -7,7 +7,7 @@
 //   safetensors.hpp  the safetensors reader, checking everything it reads
 //   checkpoint.hpp   model.safetensors or a sharded index
 //   config.hpp       config.json (both RoPE spellings, llama3 scaling)
-//   model.hpp        weights and the forward pass of one engine step
+//   model.hpp        weights and the forward pass of one engine step (model.cpp)
 //   requests.hpp     request file in, output lines out (JSON Lines)
 //   scheduler.hpp    continuous batching, chunked prefill, prefix cache, preemption
 #include <ATen/ATen.h>
@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <ctime>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -165,6 +166,13 @@ Options parse_flags(int argc, char** argv) {
   return o;
 }
 
+/// CPU time of the whole process (every thread), seconds.
+double process_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
 double since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -176,6 +184,13 @@ int serve(const Options& o) {
   const at::Device device(o.device == "cuda" ? at::kCUDA : at::kCPU);
   if (device.is_cuda() && !at::hasCUDA()) llama::fail("command line: --device cuda, but this libtorch sees no CUDA device");
   const at::ScalarType dtype = o.dtype == "float16" ? at::kHalf : o.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  try {  // Debian's libtorch 1.13 has no float16 matrix multiply (nor SiLU) on the CPU
+    const auto probe = at::ones({2, 2}, at::TensorOptions().dtype(dtype).device(device));
+    (void)at::silu(at::linear(probe, probe));
+  } catch (const c10::Error&) {
+    llama::fail("command line: --dtype ", o.dtype, ": this libtorch cannot compute in it on ", o.device,
+                " (no matrix multiply or SiLU for it); use float32 or bfloat16");
+  }
 
   const std::string config_path = (std::filesystem::path(o.model) / "config.json").string();
   const llama::LlamaConfig config = llama::parse_config(config_path, llama::read_text_file(config_path));
@@ -223,6 +238,7 @@ int serve(const Options& o) {
   int64_t done = 0;
   auto last_progress = std::chrono::steady_clock::now();
   const auto t_serve = std::chrono::steady_clock::now();
+  const double cpu_serve = process_cpu_seconds();
   llama::SchedulerOptions so;
   so.max_batch_tokens = o.max_batch_tokens;
   so.max_seqs = o.max_seqs;
@@ -248,6 +264,7 @@ int serve(const Options& o) {
   while (scheduler.step()) {
   }
   const double serve_s = since(t_serve);
+  const double serve_cpu_s = process_cpu_seconds() - cpu_serve;
   out.flush();
   if (!out) llama::fail(o.out.empty() ? std::string("stdout") : o.out, ": write error");
   if (!o.logits.empty()) {
@@ -288,6 +305,7 @@ int serve(const Options& o) {
     j["requests"] = total;
     j["load_seconds"] = load_s;
     j["serve_seconds"] = serve_s;
+    j["serve_cpu_seconds"] = serve_cpu_s;  // every thread's: on a shared machine wall time includes waiting
     j["steps"] = s.steps;
     j["prefill_steps"] = s.prefill_steps;
     j["prompt_tokens"] = s.prompt_tokens;

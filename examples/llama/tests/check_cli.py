@@ -152,6 +152,12 @@ def main():
         print(f"{'ok  ' if ok else 'FAIL'} good run {' '.join(extra)}: exit {rc}, {got}")
         if not ok:
             failures.append(f"good run {extra}: exit {rc}, stdout {out!r}, stderr {err}")
+    # float16 computes where the libtorch can (torch 2.x); Debian's 1.13 cannot on the CPU: a clear refusal
+    rc, out, err = run(m + ["--requests", good, "--dtype", "float16", "--threads", "1"])
+    ok = (rc == 0 and len(out.splitlines()) == 2) or (rc == 2 and "--dtype float16: this libtorch cannot compute" in err)
+    print(f"{'ok  ' if ok else 'FAIL'} --dtype float16: exit {rc}")
+    if not ok:
+        failures.append(f"--dtype float16: exit {rc}, stderr {err}")
     empty = requests("empty.jsonl", "\n")
     rc, out, err = run(m + ["--requests", empty])
     if rc != 0 or out:
