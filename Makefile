@@ -5,7 +5,8 @@ BUILD_TYPE ?= Release
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-DEBIAN_PACKAGES := cmake g++ make libtorch-dev libgloo-dev googletest libgtest-dev libbenchmark-dev python3-torch
+DEBIAN_PACKAGES := cmake g++ make libtorch-dev libgloo-dev googletest libgtest-dev libbenchmark-dev python3-torch \
+                   nlohmann-json3-dev
 
 .PHONY: deps configure build test example example-disaggregated bench clean test-sanitize fuzz lint test-torch2 \
         test-python test-python-debian test-python-torch2 bench-python
@@ -13,8 +14,9 @@ DEBIAN_PACKAGES := cmake g++ make libtorch-dev libgloo-dev googletest libgtest-d
 deps:
 	@./scripts/install-deps $(DEBIAN_PACKAGES)
 
+# PAGEDKV_BUILD_LLAMA=ON: examples/llama must build (nlohmann-json3-dev is in DEBIAN_PACKAGES).
 configure: deps
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DPAGEDKV_BUILD_LLAMA=ON $(CMAKE_ARGS)
 
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
@@ -52,11 +54,16 @@ clean:
 # libtorch inside pip's torch, installed once into TORCH2_PREFIX and reused
 # while its version matches (scripts/install-torch2). BUILD_TORCH2 keeps it
 # apart from the Debian-libtorch build in $(BUILD).
+# It also installs the pinned transformers (examples/llama/
+# requirements-transformers.txt) into TRANSFORMERS_PREFIX, reused the same
+# way (scripts/install-transformers), for examples/llama's comparison with
+# transformers, which runs here: against the torch the example is built with.
 TORCH2_VERSION ?= 2.15.0
 TORCH2_PREFIX ?= /opt/pagedkv-torch2
+TRANSFORMERS_PREFIX ?= /opt/pagedkv-transformers
 BUILD_TORCH2 ?= build-torch2
 test-torch2: deps
-	./scripts/test-torch2 $(TORCH2_PREFIX) $(TORCH2_VERSION) $(BUILD_TORCH2) $(JOBS) $(CMAKE_ARGS)
+	TRANSFORMERS_PREFIX=$(TRANSFORMERS_PREFIX) ./scripts/test-torch2 $(TORCH2_PREFIX) $(TORCH2_VERSION) $(BUILD_TORCH2) $(JOBS) $(CMAKE_ARGS)
 	./scripts/test-python torch2 $(BUILD_TORCH2) $(JOBS) $(TORCH2_PREFIX) $(TORCH2_VERSION)
 
 # ---- Python (python/, package pagedkv; make test and make test-torch2 run these) ----
@@ -94,7 +101,7 @@ test-sanitize: deps
 	cmake --build --preset sanitize -j $(JOBS)
 	ctest --preset sanitize -j $(JOBS)
 
-# libFuzzer on the four harnesses (fuzz/), each FUZZ_SECONDS
+# libFuzzer on the six harnesses (fuzz/), each FUZZ_SECONDS
 # long: fuzz_paged_cache from the committed seeds in fuzz/corpus/ (new inputs
 # go to fuzz/corpus-run/, a crashing input to build-fuzz/crash-*), then
 # fuzz_sequences (SequenceTable) from fuzz/corpus-sequences/ (new inputs go to
@@ -102,14 +109,18 @@ test-sanitize: deps
 # then fuzz_prefix (PrefixCache) from fuzz/corpus-prefix/ (new inputs go to
 # fuzz/corpus-prefix-run/, a crashing input to build-fuzz/prefix-crash-*),
 # then fuzz_transfer (a receiver fed mutated transfer headers) from
-# fuzz/corpus-transfer/ (new inputs to fuzz/corpus-transfer-run/).
+# fuzz/corpus-transfer/ (new inputs to fuzz/corpus-transfer-run/), then
+# examples/llama's readers: fuzz_safetensors (a safetensors file) from
+# fuzz/corpus-safetensors/ and fuzz_requests (a request file) from
+# fuzz/corpus-requests/ (new inputs to fuzz/corpus-*-run/).
 FUZZ_SECONDS ?= 60
-FUZZ_PACKAGES := cmake make clang-14 libclang-rt-14-dev libtorch-dev
+FUZZ_PACKAGES := cmake make clang-14 libclang-rt-14-dev libtorch-dev nlohmann-json3-dev
 fuzz:
 	@./scripts/install-deps $(FUZZ_PACKAGES)
 	cmake -S fuzz -B build-fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo
 	cmake --build build-fuzz -j $(JOBS)
-	mkdir -p fuzz/corpus-run fuzz/corpus-sequences-run fuzz/corpus-prefix-run fuzz/corpus-transfer-run
+	mkdir -p fuzz/corpus-run fuzz/corpus-sequences-run fuzz/corpus-prefix-run fuzz/corpus-transfer-run \
+	  fuzz/corpus-safetensors-run fuzz/corpus-requests-run
 	build-fuzz/fuzz_paged_cache -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/ fuzz/corpus-run fuzz/corpus
 	build-fuzz/fuzz_sequences -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
@@ -118,6 +129,10 @@ fuzz:
 	  -artifact_prefix=build-fuzz/prefix- fuzz/corpus-prefix-run fuzz/corpus-prefix
 	build-fuzz/fuzz_transfer -max_total_time=$(FUZZ_SECONDS) -max_len=512 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/transfer- fuzz/corpus-transfer-run fuzz/corpus-transfer
+	build-fuzz/fuzz_safetensors -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
+	  -artifact_prefix=build-fuzz/safetensors- fuzz/corpus-safetensors-run fuzz/corpus-safetensors
+	build-fuzz/fuzz_requests -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
+	  -artifact_prefix=build-fuzz/requests- fuzz/corpus-requests-run fuzz/corpus-requests
 
 # The headers' layering, each header compiled alone, cppcheck and clang-tidy
 # over include/ (scripts/lint).

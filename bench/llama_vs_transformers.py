@@ -1,0 +1,175 @@
+#!/usr/bin/env python3
+"""examples/llama against transformers' generate: prefill and decode tokens/s.
+
+    PYTHONPATH=/opt/pagedkv-transformers:/opt/pagedkv-torch2 \\
+      python3 bench/llama_vs_transformers.py --llama build-torch2/examples/llama/llama [--threads 2]
+
+Builds a random Llama of the ~100M shape (make_tiny_model.py --preset bench:
+hidden 1024, 8 layers, 16 heads, 4 kv heads, intermediate 2048, vocabulary
+32000, tied embeddings: 103M parameters, float32), writes N requests of P
+random prompt tokens and G new tokens each (default 32 x 1024, 256), and
+times, with the same torch (the example built against it) and thread count:
+
+  examples/llama     the engine with its defaults (--max-batch-tokens 2048,
+                     page size 16, NHD float32 pages, prefix cache on), all
+                     requests in one request file
+  transformers       generate() on all N prompts as one batch (equal lengths:
+                     no padding), greedy, its default attention (sdpa) and
+                     cache (DynamicCache)
+
+each twice: with max_new_tokens 1 (prefill: the prompts and one token) and
+with G. Prefill tokens/s = N x P / t(1); decode tokens/s = N x (G - 1) /
+(t(G) - t(1)); the same arithmetic for both, from wall times measured inside
+each process around the work alone (model loading excluded; for the engine,
+--stats' serve_seconds). CPU seconds of the process over the same span are
+printed beside them: on a shared machine wall times include waiting.
+
+Then the same with a shared prefix: the first --shared of each prompt
+(0.75: 768 tokens) is the same in every request. The engine's prefix cache
+skips it for all but the first requests; transformers has no prefix cache,
+so it computes the same as before (its prefill is timed again anyway).
+
+Prints a markdown table and writes it and the raw numbers to --out
+(JSON). --small runs 4 x 128 prompt tokens and 16 new: to check the script.
+"""
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "llama"))
+import make_tiny_model  # noqa: E402
+
+
+def make_prompts(n, length, shared_fraction, vocab, seed):
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(int(length * shared_fraction))]
+    return [shared + [rng.randrange(vocab) for _ in range(length - len(shared))] for _ in range(n)]
+
+
+def run_engine(llama, model_dir, work, name, prompts, new_tokens, threads, extra):
+    req = os.path.join(work, name + ".jsonl")
+    with open(req, "w") as f:
+        for i, p in enumerate(prompts):
+            f.write(json.dumps({"id": f"r{i}", "prompt": p, "max_new_tokens": new_tokens}) + "\n")
+    stats = os.path.join(work, name + ".stats.json")
+    out = os.path.join(work, name + ".out.jsonl")
+    cmd = [llama, "--model", model_dir, "--requests", req, "--out", out, "--stats", stats, "--threads", str(threads),
+           "--quiet"] + extra
+    p = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr}")
+    with open(stats) as f:
+        s = json.load(f)
+    with open(out) as f:
+        n_out = sum(len(json.loads(line)["tokens"]) for line in f)
+    assert n_out == len(prompts) * new_tokens, (n_out, len(prompts) * new_tokens)
+    print(p.stderr.strip(), flush=True)
+    return {"wall": s["serve_seconds"], "cpu": s["serve_cpu_seconds"], "stats": s}
+
+
+def run_transformers(model, prompts, new_tokens):
+    import torch
+
+    ids = torch.tensor(prompts)
+    t0, c0 = time.perf_counter(), time.process_time()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    assert out.shape == (len(prompts), len(prompts[0]) + new_tokens), out.shape
+    return {"wall": wall, "cpu": cpu}
+
+
+def rates(n, prompt, new, t1, tg):
+    """Prefill and decode tokens/s (wall and CPU) from the max_new_tokens=1 and =G runs."""
+    r = {}
+    for kind in ("wall", "cpu"):
+        r["prefill_" + kind] = n * prompt / t1[kind]
+        dt = tg[kind] - t1[kind]
+        r["decode_" + kind] = n * (new - 1) / dt if dt > 0 else float("nan")
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama", required=True, help="examples/llama built against the torch on PYTHONPATH")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=256)
+    ap.add_argument("--shared", type=float, default=0.75)
+    ap.add_argument("--work", default="/tmp/pagedkv-llama-bench")
+    ap.add_argument("--out", default=None, help="JSON results (default WORK/results.json)")
+    ap.add_argument("--small", action="store_true", help="4 x 128 prompt tokens, 16 new: a check of the script")
+    ap.add_argument("--skip-transformers", action="store_true")
+    a = ap.parse_args()
+    if a.small:
+        a.requests, a.prompt, a.new = 4, 128, 16
+    os.makedirs(a.work, exist_ok=True)
+
+    import torch
+    import transformers
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(a.threads)
+    model_dir = os.path.join(a.work, "model")
+    if not os.path.exists(os.path.join(model_dir, "model.safetensors")):
+        make_tiny_model.make(model_dir, "bench", seed=0, reference=False)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    cpu = "unknown CPU"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    print(f"{a.requests} requests x {a.prompt} prompt tokens, {a.new} new; {a.threads} threads; {cpu}; torch "
+          f"{torch.__version__}, transformers {transformers.__version__}; load average {os.getloadavg()}",
+          flush=True)
+
+    results = {"requests": a.requests, "prompt": a.prompt, "new": a.new, "threads": a.threads, "cpu": cpu,
+               "torch": torch.__version__, "transformers": transformers.__version__, "cases": {}}
+    for case, shared in (("distinct prompts", 0.0), (f"{int(a.shared * 100)} % shared prefix", a.shared)):
+        prompts = make_prompts(a.requests, a.prompt, shared, vocab, seed=1)
+        tag = "shared" if shared else "distinct"
+        e1 = run_engine(a.llama, model_dir, a.work, tag + "-1", prompts, 1, a.threads, [])
+        eg = run_engine(a.llama, model_dir, a.work, tag + "-g", prompts, a.new, a.threads, [])
+        res = {"engine": rates(a.requests, a.prompt, a.new, e1, eg), "engine_runs": [e1, eg]}
+        if not a.skip_transformers:
+            model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            t1 = run_transformers(model, prompts, 1)
+            print(f"transformers, max_new_tokens 1: {t1['wall']:.2f} s ({t1['cpu']:.2f} CPU s)", flush=True)
+            tg = run_transformers(model, prompts, a.new)
+            print(f"transformers, max_new_tokens {a.new}: {tg['wall']:.2f} s ({tg['cpu']:.2f} CPU s)", flush=True)
+            res["transformers"] = rates(a.requests, a.prompt, a.new, t1, tg)
+            res["transformers_runs"] = [t1, tg]
+            del model
+        results["cases"][case] = res
+
+    print(f"\n{a.requests} requests x {a.prompt} prompt tokens + {a.new} new, {a.threads} threads, {cpu}")
+    print("| case | | prefill tokens/s | decode tokens/s | prefill (CPU-s based) | decode (CPU-s based) |")
+    print("|---|---|---:|---:|---:|---:|")
+    for case, res in results["cases"].items():
+        for who in ("engine", "transformers"):
+            if who in res:
+                r = res[who]
+                label = "examples/llama" if who == "engine" else "transformers"
+                print(f"| {case} | {label} | {r['prefill_wall']:.0f} | {r['decode_wall']:.1f} | "
+                      f"{r['prefill_cpu']:.0f} | {r['decode_cpu']:.1f} |")
+        if "transformers" in res:
+            e, t = res["engine"], res["transformers"]
+            print(f"| {case} | ratio | {e['prefill_wall'] / t['prefill_wall']:.2f}x | "
+                  f"{e['decode_wall'] / t['decode_wall']:.2f}x | {e['prefill_cpu'] / t['prefill_cpu']:.2f}x | "
+                  f"{e['decode_cpu'] / t['decode_cpu']:.2f}x |")
+    out = a.out or os.path.join(a.work, "results.json")
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nraw numbers: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,351 @@
+// llama: serves a Hugging Face Llama checkpoint through pagedkv, like a small
+// inference engine: greedy decoding of a file of requests with continuous
+// batching, chunked prefill, prefix caching and preemption (see --help).
+//
+// The pieces, one idea per file:
+//   errors.hpp       InputError: what bad input throws (file, line, field)
+//   safetensors.hpp  the safetensors reader, checking everything it reads
+//   checkpoint.hpp   model.safetensors or a sharded index
+//   config.hpp       config.json (both RoPE spellings, llama3 scaling)
+//   model.hpp        weights and the forward pass of one engine step (model.cpp)
+//   requests.hpp     request file in, output lines out (JSON Lines)
+//   scheduler.hpp    continuous batching, chunked prefill, prefix cache, preemption
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <ctime>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "checkpoint.hpp"
+#include "config.hpp"
+#include "errors.hpp"
+#include "model.hpp"
+#include "pagedkv/pagedkv.hpp"
+#include "requests.hpp"
+#include "scheduler.hpp"
+
+namespace {
+
+struct Options {
+  std::string model, requests, out, logits, stats;
+  int64_t max_new_tokens = 32;
+  std::string layout = "nhd";
+  std::string kv_format = "native";
+  int64_t page_size = 16;
+  int64_t n_pages = 0;  // 0: enough for every request at once
+  int64_t max_batch_tokens = 2048;
+  bool prefix_cache = true;
+  std::string dtype = "float32";
+  std::string device = "cpu";
+  int64_t threads = 0;  // 0: libtorch's default
+  int64_t max_seqs = 256;
+  std::string preempt = "swap";
+  int64_t host_pages = 0;  // 0: as many as --n-pages
+  bool quiet = false;
+};
+
+void usage() {
+  std::printf(
+      "usage: llama --model DIR --requests FILE [options]\n"
+      "Serves a Llama checkpoint (transformers' save_pretrained: config.json and model.safetensors\n"
+      "or a sharded index; float32, float16 or bfloat16 weights) over a pagedkv paged KV cache:\n"
+      "greedy decoding of every request, continuous batching, chunked prefill, prefix caching,\n"
+      "preemption when the pool runs short.\n\n"
+      "  --model DIR             checkpoint directory\n"
+      "  --requests FILE         JSON Lines, one request a line:\n"
+      "                          {\"id\": \"r1\", \"prompt\": [1, 2, 3], \"max_new_tokens\": 16}\n"
+      "  --out FILE              JSON Lines, one line per finished request, in the order they finish:\n"
+      "                          {\"id\": \"r1\", \"tokens\": [...]} (generated tokens; default stdout)\n"
+      "  --max-new-tokens N      default for requests without max_new_tokens (32); a request also\n"
+      "                          ends at the config's eos_token_id, which it keeps as its last token\n"
+      "  --layout nhd|hnd        page layout (nhd)\n"
+      "  --kv-format F           native (the --dtype), fp8 (e4m3) or int8 pages (native)\n"
+      "  --page-size N           tokens per page (16)\n"
+      "  --n-pages N             pages in the pool (default: enough for every request at once)\n"
+      "  --max-batch-tokens N    new tokens per step, all sequences together (2048)\n"
+      "  --prefix-cache on|off   reuse cached K/V of shared prompt prefixes (on)\n"
+      "  --dtype T               float32, float16 or bfloat16: weights, activations and pages (float32)\n"
+      "  --device cpu|cuda       (cpu)\n"
+      "  --threads N             intra-op threads (default: libtorch's, one per core)\n"
+      "Beyond the fixed flags above:\n"
+      "  --max-seqs N            requests running at once at most (256; 1: one at a time)\n"
+      "  --preempt swap|recompute  what preemption does with the newest request (swap: to a\n"
+      "                          host cache, recomputing when that is full)\n"
+      "  --host-pages N          pages of the host cache swapped requests wait in (--n-pages)\n"
+      "  --logits FILE           JSON Lines {\"id\", \"logits\": [[vocab floats] per generated token]}\n"
+      "  --stats FILE            the summary as one JSON object\n"
+      "  --quiet                 no progress lines\n"
+      "  --help                  this text\n");
+}
+
+[[noreturn]] void bad_flag(const std::string& flag, const std::string& value, const char* expected) {
+  llama::fail("command line: ", flag, " expected ", expected, ", got '", value, "' (see --help)");
+}
+
+int64_t positive(const std::string& flag, const std::string& value) {
+  char* end = nullptr;
+  errno = 0;
+  const long long n = std::strtoll(value.c_str(), &end, 10);
+  if (end == value.c_str() || *end != '\0' || errno != 0 || n < 1) bad_flag(flag, value, "an integer >= 1");
+  return n;
+}
+
+Options parse_flags(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--help" || flag == "-h") {
+      usage();
+      std::exit(0);
+    }
+    if (flag == "--quiet") {
+      o.quiet = true;
+      continue;
+    }
+    if (i + 1 >= argc) llama::fail("command line: ", flag, " needs a value (see --help)");
+    const std::string v = argv[++i];
+    const auto one_of = [&](std::initializer_list<const char*> allowed, const char* expected) {
+      for (const char* a : allowed) {
+        if (v == a) return v;
+      }
+      bad_flag(flag, v, expected);
+    };
+    if (flag == "--model") {
+      o.model = v;
+    } else if (flag == "--requests") {
+      o.requests = v;
+    } else if (flag == "--out") {
+      o.out = v;
+    } else if (flag == "--logits") {
+      o.logits = v;
+    } else if (flag == "--stats") {
+      o.stats = v;
+    } else if (flag == "--max-new-tokens") {
+      o.max_new_tokens = positive(flag, v);
+    } else if (flag == "--layout") {
+      o.layout = one_of({"nhd", "hnd"}, "nhd or hnd");
+    } else if (flag == "--kv-format") {
+      o.kv_format = one_of({"native", "fp8", "int8"}, "native, fp8 or int8");
+    } else if (flag == "--page-size") {
+      o.page_size = positive(flag, v);
+    } else if (flag == "--n-pages") {
+      o.n_pages = positive(flag, v);
+    } else if (flag == "--max-batch-tokens") {
+      o.max_batch_tokens = positive(flag, v);
+    } else if (flag == "--prefix-cache") {
+      o.prefix_cache = one_of({"on", "off"}, "on or off") == "on";
+    } else if (flag == "--dtype") {
+      o.dtype = one_of({"float32", "float16", "bfloat16"}, "float32, float16 or bfloat16");
+    } else if (flag == "--device") {
+      o.device = one_of({"cpu", "cuda"}, "cpu or cuda");
+    } else if (flag == "--threads") {
+      o.threads = positive(flag, v);
+    } else if (flag == "--max-seqs") {
+      o.max_seqs = positive(flag, v);
+    } else if (flag == "--preempt") {
+      o.preempt = one_of({"swap", "recompute"}, "swap or recompute");
+    } else if (flag == "--host-pages") {
+      o.host_pages = positive(flag, v);
+    } else {
+      llama::fail("command line: unknown flag ", flag, " (see --help)");
+    }
+  }
+  if (o.model.empty()) llama::fail("command line: --model DIR is required (see --help)");
+  if (o.requests.empty()) llama::fail("command line: --requests FILE is required (see --help)");
+  return o;
+}
+
+/// CPU time of the whole process (every thread), seconds.
+double process_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+template <class Layout>
+int serve(const Options& o) {
+  const auto t_start = std::chrono::steady_clock::now();
+  if (o.threads > 0) at::set_num_threads(static_cast<int>(o.threads));
+  const at::Device device(o.device == "cuda" ? at::kCUDA : at::kCPU);
+  if (device.is_cuda() && !at::hasCUDA()) llama::fail("command line: --device cuda, but this libtorch sees no CUDA device");
+  const at::ScalarType dtype = o.dtype == "float16" ? at::kHalf : o.dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  try {  // Debian's libtorch 1.13 has no float16 matrix multiply (nor SiLU) on the CPU
+    const auto probe = at::ones({2, 2}, at::TensorOptions().dtype(dtype).device(device));
+    (void)at::silu(at::linear(probe, probe));
+  } catch (const c10::Error&) {
+    llama::fail("command line: --dtype ", o.dtype, ": this libtorch cannot compute in it on ", o.device,
+                " (no matrix multiply or SiLU for it); use float32 or bfloat16");
+  }
+
+  const std::string config_path = (std::filesystem::path(o.model) / "config.json").string();
+  const llama::LlamaConfig config = llama::parse_config(config_path, llama::read_text_file(config_path));
+  std::vector<llama::Request> requests =
+      llama::read_requests(o.requests, {config.vocab_size, o.max_new_tokens});
+
+  // The pool: by default every request's final length at once (no preemption).
+  int64_t n_pages = o.n_pages;
+  if (n_pages == 0) {
+    for (const auto& r : requests) {
+      n_pages += (static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens - 1 + o.page_size - 1) / o.page_size;
+    }
+    n_pages = std::max<int64_t>(n_pages, 1);
+  }
+  llama::check_fits(o.requests, requests, n_pages, o.page_size);
+
+  const llama::Model model(config, llama::Checkpoint(o.model), dtype, device);
+  const double load_s = since(t_start);
+
+  const pagedkv::KVFormat format = o.kv_format == "fp8"    ? pagedkv::KVFormat::fp8_e4m3
+                                   : o.kv_format == "int8" ? pagedkv::KVFormat::int8
+                                                           : pagedkv::KVFormat::native;
+  const auto options = at::TensorOptions().dtype(dtype).device(device);
+  pagedkv::PagedCache<Layout> cache(config.num_hidden_layers, n_pages, o.page_size, config.num_key_value_heads,
+                                    config.head_dim, options, pagedkv::KVQuant{format, format});
+  std::unique_ptr<pagedkv::PagedCache<Layout>> host;
+  if (o.preempt == "swap") {
+    host = std::make_unique<pagedkv::PagedCache<Layout>>(
+        config.num_hidden_layers, o.host_pages > 0 ? o.host_pages : n_pages, o.page_size, config.num_key_value_heads,
+        config.head_dim, at::TensorOptions().dtype(dtype), pagedkv::KVQuant{format, format});
+  }
+
+  std::ofstream out_file, logits_file;
+  if (!o.out.empty()) {
+    out_file.open(o.out, std::ios::binary);
+    if (!out_file) llama::fail(o.out, ": cannot open for writing (--out)");
+  }
+  if (!o.logits.empty()) {
+    logits_file.open(o.logits, std::ios::binary);
+    if (!logits_file) llama::fail(o.logits, ": cannot open for writing (--logits)");
+  }
+  std::ostream& out = o.out.empty() ? std::cout : out_file;
+
+  const int64_t total = static_cast<int64_t>(requests.size());
+  int64_t done = 0;
+  auto last_progress = std::chrono::steady_clock::now();
+  const auto t_serve = std::chrono::steady_clock::now();
+  const double cpu_serve = process_cpu_seconds();
+  llama::SchedulerOptions so;
+  so.max_batch_tokens = o.max_batch_tokens;
+  so.max_seqs = o.max_seqs;
+  so.prefix_cache = o.prefix_cache;
+  so.swap = o.preempt == "swap";
+  so.keep_logits = !o.logits.empty();
+  llama::Scheduler<Layout> scheduler(model, cache, host.get(), so, [&](llama::Finished&& f) {
+    out << llama::output_line(f.id, f.tokens) << '\n';
+    if (so.keep_logits) {
+      nlohmann::json j;
+      j["id"] = f.id;
+      j["logits"] = f.logits;
+      logits_file << j.dump() << '\n';
+    }
+    ++done;
+    if (!o.quiet && (since(last_progress) >= 1.0 || done == total)) {
+      std::fprintf(stderr, "llama: %lld/%lld requests done (%.1f s)\n", static_cast<long long>(done),
+                   static_cast<long long>(total), since(t_serve));
+      last_progress = std::chrono::steady_clock::now();
+    }
+  });
+  for (const auto& r : requests) scheduler.add(r);
+  while (scheduler.step()) {
+  }
+  const double serve_s = since(t_serve);
+  const double serve_cpu_s = process_cpu_seconds() - cpu_serve;
+  out.flush();
+  if (!out) llama::fail(o.out.empty() ? std::string("stdout") : o.out, ": write error");
+  if (!o.logits.empty()) {
+    logits_file.flush();
+    if (!logits_file) llama::fail(o.logits, ": write error");
+  }
+
+  const llama::SchedulerStats& s = scheduler.stats();
+  const double hit_rate = s.prefix_query_tokens > 0
+                              ? 100.0 * static_cast<double>(s.prefix_hit_tokens) / static_cast<double>(s.prefix_query_tokens)
+                              : 0.0;
+  const auto rate = [](int64_t n, double t) { return t > 0 ? static_cast<double>(n) / t : 0.0; };
+  std::fprintf(stderr,
+               "llama: %lld requests in %.2f s (%lld steps; model load %.2f s): %s, %s pages of %lld tokens, %s\n",
+               static_cast<long long>(total), serve_s, static_cast<long long>(s.steps), load_s, Layout::name,
+               o.kv_format == "native" ? o.dtype.c_str() : o.kv_format.c_str(), static_cast<long long>(o.page_size),
+               o.device.c_str());
+  std::fprintf(stderr, "  prefill: %lld prompt tokens computed in %lld steps, %.2f s (%.0f tokens/s; those steps also "
+                       "decoded alongside)\n",
+               static_cast<long long>(s.prefill_tokens), static_cast<long long>(s.prefill_steps), s.prefill_seconds,
+               rate(s.prefill_tokens, s.prefill_seconds));
+  std::fprintf(stderr, "  decode: %lld tokens in %lld decode-only steps, %.2f s (%.0f tokens/s); %lld generated in all\n",
+               static_cast<long long>(s.decode_tokens), static_cast<long long>(s.steps - s.prefill_steps),
+               s.decode_seconds, rate(s.decode_tokens, s.decode_seconds), static_cast<long long>(s.generated_tokens));
+  std::fprintf(stderr, "  pages: peak %lld of %lld in use (%lld cached by the prefix cache at the end); peak %lld "
+                       "requests running, %lld in one step; %lld prefill chunks cut by the budget\n",
+               static_cast<long long>(s.peak_pages), static_cast<long long>(n_pages),
+               static_cast<long long>(scheduler.cached_pages()), static_cast<long long>(s.peak_running),
+               static_cast<long long>(s.peak_batch_seqs), static_cast<long long>(s.chunks));
+  std::fprintf(stderr, "  prefix cache: %s, hit rate %.1f%% (%lld of %lld prompt tokens skipped)\n",
+               o.prefix_cache ? "on" : "off", hit_rate, static_cast<long long>(s.prefix_hit_tokens),
+               static_cast<long long>(s.prefix_query_tokens));
+  std::fprintf(stderr, "  preemptions: %lld swapped to the host cache, %lld recomputed (%lld tokens computed again)\n",
+               static_cast<long long>(s.preempted_swap), static_cast<long long>(s.preempted_recompute),
+               static_cast<long long>(s.recomputed_tokens));
+  if (!o.stats.empty()) {
+    nlohmann::json j;
+    j["requests"] = total;
+    j["load_seconds"] = load_s;
+    j["serve_seconds"] = serve_s;
+    j["serve_cpu_seconds"] = serve_cpu_s;  // every thread's: on a shared machine wall time includes waiting
+    j["steps"] = s.steps;
+    j["prefill_steps"] = s.prefill_steps;
+    j["prompt_tokens"] = s.prompt_tokens;
+    j["prefill_tokens"] = s.prefill_tokens;
+    j["decode_tokens"] = s.decode_tokens;
+    j["recomputed_tokens"] = s.recomputed_tokens;
+    j["generated_tokens"] = s.generated_tokens;
+    j["prefill_seconds"] = s.prefill_seconds;
+    j["decode_seconds"] = s.decode_seconds;
+    j["prefix_query_tokens"] = s.prefix_query_tokens;
+    j["prefix_hit_tokens"] = s.prefix_hit_tokens;
+    j["preempted_swap"] = s.preempted_swap;
+    j["preempted_recompute"] = s.preempted_recompute;
+    j["chunks"] = s.chunks;
+    j["peak_pages"] = s.peak_pages;
+    j["n_pages"] = n_pages;
+    j["peak_running"] = s.peak_running;
+    j["peak_batch_seqs"] = s.peak_batch_seqs;
+    j["threads"] = at::get_num_threads();
+    std::ofstream stats(o.stats, std::ios::binary);
+    stats << j.dump(1) << '\n';
+    if (!stats) llama::fail(o.stats, ": cannot write (--stats)");
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Options o = parse_flags(argc, argv);
+    return o.layout == "hnd" ? serve<pagedkv::HND>(o) : serve<pagedkv::NHD>(o);
+  } catch (const llama::InputError& e) {
+    std::fprintf(stderr, "llama: %s\n", e.what());
+    return 2;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "llama: error: %s\n", e.what_without_backtrace());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "llama: error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,386 @@
+// The engine loop: continuous batching over a paged KV cache.
+//
+// Every step has a token budget (--max-batch-tokens). Running requests go
+// first, oldest first: a decoding request takes one token, one still in its
+// prompt takes the rest of it or what the budget leaves (chunked prefill).
+// What is left admits waiting requests, front first, while the pool has room
+// for their first chunk; a new request first asks the PrefixCache for the
+// longest cached prefix of its prompt and prefills only the rest.
+//
+// Pages are taken with SequenceTable::prepare_append before each step. When
+// the pool runs short (free pages plus the prefix cache's evictable ones),
+// the newest running request is preempted: swapped out to a host cache
+// (SequenceTable::swap_out), or, when swapping is off or the host cache is
+// full, released and later recomputed from its tokens (the prefix cache
+// usually still holds most of them). Preempted requests resume before new
+// ones. The oldest running request is never preempted for a younger one,
+// and every request fits the pool on its own (requests.hpp checks that), so
+// the loop always makes progress.
+//
+// A request finishes at max_new_tokens or at an EOS token (kept as its last
+// token); its pages go back at once (the prefix cache keeps the full pages
+// it registered, evictable, for later requests).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "model.hpp"
+#include "pagedkv/pagedkv.hpp"
+#include "requests.hpp"
+
+namespace llama {
+
+struct SchedulerOptions {
+  int64_t max_batch_tokens = 2048;  ///< new tokens per step, over every sequence
+  int64_t max_seqs = 256;           ///< running requests at most
+  bool prefix_cache = true;
+  bool swap = true;          ///< preempt by swapping to the host cache (else by recomputing)
+  bool keep_logits = false;  ///< keep the logits each generated token was chosen from
+};
+
+/// A finished request: the generated tokens (and, with keep_logits, the
+/// [vocab] logits each was chosen from).
+struct Finished {
+  std::string id;
+  std::vector<int64_t> tokens;
+  std::vector<std::vector<float>> logits;
+};
+
+struct SchedulerStats {
+  int64_t steps = 0;
+  int64_t prefill_steps = 0;     ///< steps that computed prompt (or recomputed) tokens
+  int64_t prompt_tokens = 0;     ///< prompt tokens of the requests admitted (first admission)
+  int64_t prefill_tokens = 0;    ///< prompt tokens computed (prefix-cache hits excluded)
+  int64_t recomputed_tokens = 0; ///< tokens computed again after a preemption by recompute
+  int64_t decode_tokens = 0;     ///< tokens computed as a decode step's single new token
+  int64_t generated_tokens = 0;
+  int64_t prefix_query_tokens = 0;  ///< prompt tokens offered to the prefix cache at admissions
+  int64_t prefix_hit_tokens = 0;    ///< of which the cache held K/V (their prefill skipped)
+  int64_t preempted_swap = 0;
+  int64_t preempted_recompute = 0;
+  int64_t chunks = 0;            ///< prefill chunks that stopped short of the prompt's end
+  int64_t peak_pages = 0;        ///< pool pages held (by sequences or the prefix cache) at most
+  int64_t peak_running = 0;
+  int64_t peak_batch_seqs = 0;   ///< sequences in one step at most
+  double prefill_seconds = 0;    ///< wall time of steps that prefilled
+  double decode_seconds = 0;     ///< wall time of decode-only steps
+};
+
+template <class Layout>
+class Scheduler {
+ public:
+  /// `host` (may be null: preemption then recomputes) is the cache swapped
+  /// requests wait in; both caches must outlive the scheduler.
+  Scheduler(const Model& model, pagedkv::PagedCache<Layout>& cache, pagedkv::PagedCache<Layout>* host,
+            SchedulerOptions options, std::function<void(Finished&&)> on_finished)
+      : model_(model), cache_(cache), seqs_(cache), options_(options), on_finished_(std::move(on_finished)) {
+    if (host != nullptr) host_seqs_ = std::make_unique<pagedkv::SequenceTable<Layout>>(*host);
+    if (options_.prefix_cache) prefix_ = std::make_unique<pagedkv::PrefixCache<Layout>>(seqs_);
+    for (int64_t id : model.config().eos_token_ids) eos_.insert(id);
+  }
+
+  ~Scheduler() {
+    // The prefix cache must go before the table it is attached to.
+    prefix_.reset();
+  }
+
+  void add(const Request& r) {
+    auto a = std::make_unique<Active>();
+    a->id = r.id;
+    a->tokens = r.prompt;
+    a->n_prompt = static_cast<int64_t>(r.prompt.size());
+    a->max_new = r.max_new_tokens;
+    waiting_.push_back(a.get());
+    all_.push_back(std::move(a));
+  }
+
+  bool idle() const { return running_.empty() && waiting_.empty(); }
+  const SchedulerStats& stats() const { return stats_; }
+  /// Pages the prefix cache holds (0 without one).
+  int64_t cached_pages() const { return prefix_ ? prefix_->n_cached() : 0; }
+
+  /// One engine step: schedule, run the model once, sample, retire the
+  /// finished. False when there is nothing left to do.
+  bool step() {
+    if (idle()) return false;
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<Slot> slots = schedule();
+    if (slots.empty()) throw std::logic_error("llama scheduler: no request could be scheduled (a bug)");
+    stats_.peak_pages = std::max(stats_.peak_pages, cache_.n_pages() - cache_.n_free());
+    stats_.peak_running = std::max(stats_.peak_running, static_cast<int64_t>(running_.size()));
+    stats_.peak_batch_seqs = std::max(stats_.peak_batch_seqs, static_cast<int64_t>(slots.size()));
+    bool prefill = false;
+    for (const Slot& s : slots) prefill = prefill || s.n > 1 || s.r->computed(seqs_) < s.r->n_prompt;
+    run(slots);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ++stats_.steps;
+    if (prefill) {
+      ++stats_.prefill_steps;
+      stats_.prefill_seconds += seconds;
+    } else {
+      stats_.decode_seconds += seconds;
+    }
+    return true;
+  }
+
+ private:
+  enum class State { waiting, running, swapped };
+
+  struct Active {
+    std::string id;
+    std::vector<int64_t> tokens;  ///< prompt, then every generated token
+    int64_t n_prompt = 0;
+    int64_t max_new = 0;
+    int64_t seq = -1;  ///< in the device table (swapped: its id there, marked swapped)
+    State state = State::waiting;
+    bool admitted_before = false;
+    /// Leading pages of its sequence that are the prefix cache's own (shared
+    /// at acquire, or registered by this request).
+    int64_t chain_pages = 0;
+    /// Whether its pages may still be registered in the prefix cache (see register_pages).
+    bool registers = true;
+    int64_t high_water = 0;        ///< tokens ever computed (a recompute starts below it)
+    std::vector<std::vector<float>> logits;
+
+    int64_t computed(const pagedkv::SequenceTable<Layout>& seqs) const { return seq < 0 ? 0 : seqs.length(seq); }
+    int64_t generated() const { return static_cast<int64_t>(tokens.size()) - n_prompt; }
+    at::Tensor token_tensor() { return at::from_blob(tokens.data(), {static_cast<int64_t>(tokens.size())}, at::kLong); }
+  };
+
+  /// A request and the tokens it computes this step.
+  struct Slot {
+    Active* r;
+    int64_t n;
+  };
+
+  std::vector<Slot> schedule() {
+    std::vector<Slot> slots;
+    int64_t budget = options_.max_batch_tokens;
+    bool preempted = false;
+    // Running requests, oldest first; the newest give way when pages run short.
+    for (size_t i = 0; i < running_.size() && budget > 0;) {
+      Active& r = *running_[i];
+      const int64_t n = std::min(pending(r), budget);
+      bool ok = seqs_.prepare_append(r.seq, n);
+      while (!ok) {
+        Active* victim = running_.back();
+        preempt(*victim);
+        preempted = true;
+        if (victim == &r) break;
+        ok = seqs_.prepare_append(r.seq, n);
+      }
+      if (!ok) break;  // r was the newest: it went back to the waiting queue
+      slots.push_back({&r, n});
+      budget -= n;
+      ++i;
+    }
+    // Waiting requests, front first (preempted ones were put there), while
+    // they fit. Not after a preemption: the pool is short.
+    while (!preempted && budget > 0 && static_cast<int64_t>(running_.size()) < options_.max_seqs &&
+           !waiting_.empty()) {
+      Active& w = *waiting_.front();
+      const bool swapped = w.state == State::swapped;
+      int64_t cached = 0;
+      if (swapped) {
+        // Only when its next tokens fit as well: a request swapped in
+        // without them would be swapped out again at the next step.
+        const int64_t length = seqs_.length(w.seq);
+        const int64_t n = std::min(static_cast<int64_t>(w.tokens.size()) - length, budget);
+        if (pages_for(length + n) > cache_.n_free() + (prefix_ ? prefix_->n_reclaimable() : 0)) break;
+        if (!seqs_.swap_in(w.seq, *host_seqs_)) break;
+        w.chain_pages = 0;  // fresh pages: none of them is the prefix cache's
+      } else if (prefix_) {
+        std::tie(w.seq, cached) = prefix_->acquire(w.token_tensor());
+      } else {
+        w.seq = seqs_.create();
+      }
+      const int64_t n = std::min(pending(w), budget);
+      const bool fits = seqs_.prepare_append(w.seq, n);
+      if (!fits && !swapped) {  // back to where it was
+        seqs_.release(w.seq);
+        w.seq = -1;
+        break;
+      }
+      if (!swapped) {
+        w.chain_pages = cached / cache_.page_size();
+        w.registers = true;
+        stats_.prefix_query_tokens += static_cast<int64_t>(w.tokens.size());
+        stats_.prefix_hit_tokens += cached;
+        if (!w.admitted_before) stats_.prompt_tokens += w.n_prompt;
+        w.admitted_before = true;
+      }
+      waiting_.pop_front();
+      w.state = State::running;
+      running_.push_back(&w);
+      if (!fits) break;  // swapped in but short after all (cannot happen: checked above); it waits its turn
+      slots.push_back({&w, n});
+      budget -= n;
+    }
+    return slots;
+  }
+
+  /// Tokens `r` has not computed yet (its whole prompt at first, then the
+  /// newest generated token).
+  int64_t pending(const Active& r) const { return static_cast<int64_t>(r.tokens.size()) - r.computed(seqs_); }
+
+  /// Moves the newest running request `r` (running_.back()) to the front of
+  /// the waiting queue: swapped out, or released to be recomputed.
+  void preempt(Active& r) {
+    running_.pop_back();
+    if (options_.swap && host_seqs_ && seqs_.swap_out(r.seq, *host_seqs_)) {
+      r.state = State::swapped;
+      ++stats_.preempted_swap;
+    } else {
+      seqs_.release(r.seq);
+      r.seq = -1;
+      r.state = State::waiting;
+      ++stats_.preempted_recompute;
+    }
+    waiting_.push_front(&r);
+  }
+
+  void run(const std::vector<Slot>& slots) {
+    // Decode-like slots (one new token each) share one attention call; each
+    // longer chunk has its own.
+    std::vector<const Slot*> ones, chunks;
+    for (const Slot& s : slots) (s.n == 1 ? ones : chunks).push_back(&s);
+    std::vector<const Slot*> order(ones);
+    order.insert(order.end(), chunks.begin(), chunks.end());
+
+    int64_t total = 0;
+    for (const Slot* s : order) total += s->n;
+    at::Tensor tokens = at::empty({total}, at::kLong);
+    at::Tensor positions = at::empty({total}, at::kLong);
+    int64_t* tok = tokens.data_ptr<int64_t>();
+    int64_t* pos = positions.data_ptr<int64_t>();
+    StepInput in;
+    std::vector<int64_t> logit_rows;
+    std::vector<Active*> sampled;  // whose logits row comes next in `logit_rows`
+    int64_t row = 0;
+    const auto add_group = [&](const std::vector<const Slot*>& group, int64_t n_new) {
+      std::vector<int64_t> ids;
+      for (const Slot* s : group) ids.push_back(s->r->seq);
+      auto table_lengths = seqs_.batch(ids);
+      in.groups.push_back({row, static_cast<int64_t>(group.size()), n_new, table_lengths.first, table_lengths.second});
+      for (const Slot* s : group) {
+        Active& r = *s->r;
+        const int64_t from = r.computed(seqs_);
+        for (int64_t j = 0; j < s->n; ++j) {
+          tok[row + j] = r.tokens[static_cast<size_t>(from + j)];
+          pos[row + j] = from + j;
+        }
+        count_tokens(r, from, s->n);
+        if (from + s->n == static_cast<int64_t>(r.tokens.size())) {
+          logit_rows.push_back(row + s->n - 1);
+          sampled.push_back(&r);
+        } else {
+          ++stats_.chunks;
+        }
+        row += s->n;
+      }
+    };
+    if (!ones.empty()) add_group(ones, 1);
+    for (const Slot* s : chunks) add_group({s}, s->n);
+    in.tokens = tokens;
+    in.positions = positions;
+    in.logit_rows = at::tensor(logit_rows, at::kLong);
+
+    const at::Tensor logits = model_.forward(cache_, in);  // [M, vocab] float32
+    const at::Tensor next = logits.argmax(-1).cpu();       // lowest index on ties, as torch.argmax
+    const at::Tensor host_logits = options_.keep_logits ? logits.cpu().contiguous() : at::Tensor();
+
+    for (const Slot* s : order) {
+      seqs_.commit_append(s->r->seq, s->n);
+      register_pages(*s->r);
+    }
+    std::vector<Active*> done;
+    for (size_t m = 0; m < sampled.size(); ++m) {
+      Active& r = *sampled[m];
+      const int64_t token = next.data_ptr<int64_t>()[m];
+      r.tokens.push_back(token);
+      ++stats_.generated_tokens;
+      if (options_.keep_logits) {
+        const float* p = host_logits.data_ptr<float>() + static_cast<int64_t>(m) * host_logits.size(1);
+        r.logits.emplace_back(p, p + host_logits.size(1));
+      }
+      if (r.generated() >= r.max_new || eos_.count(token) != 0) done.push_back(&r);
+    }
+    for (Active* r : done) retire(*r);
+  }
+
+  /// Sorts the n tokens from position `from` into prompt tokens computed
+  /// for the first time, tokens computed again (after a preemption by
+  /// recompute) and the newest generated token (a decode).
+  void count_tokens(Active& r, int64_t from, int64_t n) {
+    const int64_t end = from + n;
+    const int64_t again = std::max<int64_t>(0, std::min(end, r.high_water) - from);
+    const int64_t fresh_from = from + again;
+    const int64_t prompt = std::max<int64_t>(0, std::min(end, r.n_prompt) - fresh_from);
+    stats_.recomputed_tokens += again;
+    stats_.prefill_tokens += prompt;
+    stats_.decode_tokens += n - again - prompt;  // only the newest token can be both new and generated
+    r.high_water = std::max(r.high_water, end);
+  }
+
+  /// Offers `r`'s newly completed full pages to the prefix cache, unless
+  /// the cache already holds some of its tokens in pages of another sequence
+  /// (two requests that computed the same prefix in the same step; a
+  /// swapped-in request, whose pages are fresh copies). Registering pages
+  /// below those would pin them: the prefix cache evicts a page only after
+  /// every cached page that continues it, so a request running alone could
+  /// then find the pool short by pages nobody uses, and wait forever.
+  void register_pages(Active& r) {
+    if (!prefix_ || !r.registers) return;
+    const int64_t length = seqs_.length(r.seq);
+    const int64_t full = length / cache_.page_size();
+    if (full <= r.chain_pages) return;
+    const at::Tensor tokens = r.token_tensor();
+    if (prefix_->peek(tokens, 0, length) != r.chain_pages * cache_.page_size()) {
+      r.registers = false;
+      return;
+    }
+    prefix_->insert(r.seq, tokens);
+    r.chain_pages = full;
+  }
+
+  int64_t pages_for(int64_t tokens) const { return (tokens + cache_.page_size() - 1) / cache_.page_size(); }
+
+  void retire(Active& r) {
+    seqs_.release(r.seq);
+    r.seq = -1;
+    running_.erase(std::find(running_.begin(), running_.end(), &r));
+    Finished f;
+    f.id = r.id;
+    f.tokens.assign(r.tokens.begin() + r.n_prompt, r.tokens.end());
+    f.logits = std::move(r.logits);
+    r.tokens = std::vector<int64_t>();
+    on_finished_(std::move(f));
+  }
+
+  const Model& model_;
+  pagedkv::PagedCache<Layout>& cache_;
+  pagedkv::SequenceTable<Layout> seqs_;
+  std::unique_ptr<pagedkv::SequenceTable<Layout>> host_seqs_;
+  std::unique_ptr<pagedkv::PrefixCache<Layout>> prefix_;  // attached to seqs_; destroyed first
+  SchedulerOptions options_;
+  std::function<void(Finished&&)> on_finished_;
+  std::set<int64_t> eos_;
+  std::vector<std::unique_ptr<Active>> all_;
+  std::vector<Active*> running_;  // admission order: the back is the newest
+  std::deque<Active*> waiting_;
+  SchedulerStats stats_;
+};
+
+}  // namespace llama

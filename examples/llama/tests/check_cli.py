@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""The llama example's command line on good and bad input (standard library
+only: the checkpoint is written here with struct and json).
+
+    check_cli.py --llama BUILD/examples/llama/llama --work DIR
+
+Bad input (flags, a missing or truncated file, a malformed request line, a
+token outside the vocabulary, a prompt the pool can never hold, a config that
+disagrees with the weights) must give exit code 2 and a message naming the
+file, line and field; never a crash or a signal. A good run must exit 0 and
+write one output line per request.
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+
+CONFIG = {"model_type": "llama", "vocab_size": 50, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+          "rope_theta": 10000.0, "eos_token_id": None}
+
+
+def tensors(config, rng):
+    h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    d = h // config["num_attention_heads"]
+    kv = config["num_key_value_heads"] * d
+    shapes = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h]}
+    for layer in range(config["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shapes.update({p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
+                       p + "self_attn.q_proj.weight": [h, h], p + "self_attn.k_proj.weight": [kv, h],
+                       p + "self_attn.v_proj.weight": [kv, h], p + "self_attn.o_proj.weight": [h, h],
+                       p + "mlp.gate_proj.weight": [i, h], p + "mlp.up_proj.weight": [i, h],
+                       p + "mlp.down_proj.weight": [h, i]})
+    out = {}
+    for name, shape in shapes.items():
+        n = 1
+        for s in shape:
+            n *= s
+        out[name] = (shape, [rng.gauss(0, 0.3) for _ in range(n)])
+    return out
+
+
+def write_safetensors(path, named):
+    header, data = {}, b""
+    for name, (shape, values) in sorted(named.items()):
+        raw = struct.pack(f"<{len(values)}f", *values)
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + data)
+
+
+def write_model(d, config, rng):
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(config, f)
+    write_safetensors(os.path.join(d, "model.safetensors"), tensors(config, rng))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--llama", required=True)
+    ap.add_argument("--work", required=True)
+    a = ap.parse_args()
+    shutil.rmtree(a.work, ignore_errors=True)
+    os.makedirs(a.work)
+    rng = random.Random(0)
+    model = os.path.join(a.work, "model")
+    write_model(model, CONFIG, rng)
+    good = os.path.join(a.work, "good.jsonl")
+    with open(good, "w") as f:
+        f.write('{"id": "a", "prompt": [1, 2, 3], "max_new_tokens": 4}\n\n{"id": "b", "prompt": [7]}\n')
+    failures = []
+
+    def run(args):
+        p = subprocess.run([a.llama] + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return p.returncode, p.stdout, p.stderr
+
+    def bad(what, args, fragments, code=2):
+        rc, out, err = run(args)
+        ok = rc == code and all(f in err for f in fragments)
+        print(f"{'ok  ' if ok else 'FAIL'} {what}: exit {rc}: {err.strip().splitlines()[-1] if err.strip() else ''}")
+        if not ok:
+            failures.append(f"{what}: exit {rc} (want {code}), stderr lacks one of {fragments}:\n{err}")
+
+    def requests(name, text):
+        path = os.path.join(a.work, name)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    m = ["--model", model]
+    bad("no flags", [], ["--model DIR is required"])
+    bad("unknown flag", m + ["--requests", good, "--frobnicate", "1"], ["unknown flag --frobnicate"])
+    bad("flag without value", m + ["--requests"], ["--requests needs a value"])
+    bad("page size 0", m + ["--requests", good, "--page-size", "0"], ["--page-size expected an integer >= 1", "'0'"])
+    bad("bad layout", m + ["--requests", good, "--layout", "nhw"], ["--layout expected nhd or hnd"])
+    bad("bad kv format", m + ["--requests", good, "--kv-format", "fp4"], ["--kv-format expected native, fp8 or int8"])
+    bad("missing model", ["--model", os.path.join(a.work, "nowhere"), "--requests", good], ["config.json: cannot open"])
+    bad("missing requests", m + ["--requests", os.path.join(a.work, "none.jsonl")], ["none.jsonl: cannot open"])
+    path = requests("malformed.jsonl", '{"id": "a", "prompt": [1]}\n{"id": "b", "prompt": [1,\n')
+    bad("malformed line", m + ["--requests", path], ["malformed.jsonl:2:", "not valid JSON"])
+    path = requests("vocab.jsonl", '{"id": "a", "prompt": [1, 50]}\n')
+    bad("token outside the vocabulary", m + ["--requests", path], ["vocab.jsonl:1:", "'prompt[1]'", "[0, 50)"])
+    path = requests("field.jsonl", '{"id": "a", "prompt": [1], "max_new_tokens": "8"}\n')
+    bad("mistyped field", m + ["--requests", path], ["field.jsonl:1:", "'max_new_tokens'"])
+    bad("prompt the pool can never hold", m + ["--requests", good, "--n-pages", "1", "--page-size", "4"],
+        ["good.jsonl:1:", "more than the pool can ever hold"])
+
+    truncated = os.path.join(a.work, "truncated")
+    shutil.copytree(model, truncated)
+    st = os.path.join(truncated, "model.safetensors")
+    os.truncate(st, os.path.getsize(st) - 64)
+    bad("truncated safetensors", ["--model", truncated, "--requests", good], ["model.safetensors", "truncated?"])
+    os.truncate(st, 5)
+    bad("safetensors shorter than its header length", ["--model", truncated, "--requests", good],
+        ["model.safetensors", "shorter than the 8-byte header length"])
+    corrupt = os.path.join(a.work, "corrupt")
+    shutil.copytree(model, corrupt)
+    with open(os.path.join(corrupt, "model.safetensors"), "r+b") as f:
+        f.seek(8)
+        f.write(b"[")
+    bad("corrupt safetensors header", ["--model", corrupt, "--requests", good], ["model.safetensors", "not valid JSON"])
+    disagree = os.path.join(a.work, "disagree")
+    shutil.copytree(model, disagree)
+    with open(os.path.join(disagree, "config.json"), "w") as f:
+        json.dump(dict(CONFIG, num_key_value_heads=4), f)
+    bad("config disagreeing with the weights", ["--model", disagree, "--requests", good],
+        ["model.layers.0.self_attn.k_proj.weight", "num_key_value_heads 4"])
+    with open(os.path.join(disagree, "config.json"), "w") as f:
+        json.dump(dict(CONFIG, rope_scaling={"rope_type": "yarn", "factor": 2.0}), f)
+    bad("unsupported rope type", ["--model", disagree, "--requests", good], ["config.json", "'rope_scaling.rope_type' is 'yarn'"])
+    bad("unwritable --out", m + ["--requests", good, "--out", os.path.join(a.work, "no", "such", "dir.jsonl")],
+        ["cannot open for writing (--out)"])
+
+    rc, out, err = run(["--help"])
+    if rc != 0 or "--max-batch-tokens" not in out:
+        failures.append(f"--help: exit {rc}, output lacks the flags")
+    for extra in ([], ["--layout", "hnd", "--page-size", "3", "--prefix-cache", "off"], ["--kv-format", "int8"]):
+        rc, out, err = run(m + ["--requests", good, "--max-new-tokens", "5", "--threads", "1"] + extra)
+        lines = [json.loads(line) for line in out.splitlines()]
+        got = {r["id"]: r["tokens"] for r in lines}
+        ok = rc == 0 and set(got) == {"a", "b"} and len(got["a"]) == 4 and len(got["b"]) == 5 and \
+            all(0 <= t < 50 for ts in got.values() for t in ts) and "2/2 requests done" in err and "prefix cache" in err
+        print(f"{'ok  ' if ok else 'FAIL'} good run {' '.join(extra)}: exit {rc}, {got}")
+        if not ok:
+            failures.append(f"good run {extra}: exit {rc}, stdout {out!r}, stderr {err}")
+    # float16 computes where the libtorch can (torch 2.x); Debian's 1.13 cannot on the CPU: a clear refusal
+    rc, out, err = run(m + ["--requests", good, "--dtype", "float16", "--threads", "1"])
+    ok = (rc == 0 and len(out.splitlines()) == 2) or (rc == 2 and "--dtype float16: this libtorch cannot compute" in err)
+    print(f"{'ok  ' if ok else 'FAIL'} --dtype float16: exit {rc}")
+    if not ok:
+        failures.append(f"--dtype float16: exit {rc}, stderr {err}")
+    empty = requests("empty.jsonl", "\n")
+    rc, out, err = run(m + ["--requests", empty])
+    if rc != 0 or out:
+        failures.append(f"empty request file: exit {rc}, stdout {out!r}")
+    if failures:
+        print(f"\n{len(failures)} FAILURES:\n" + "\n".join(failures))
+        return 1
+    print("OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
