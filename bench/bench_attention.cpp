@@ -1,9 +1,12 @@
 // The attention suite of issue 4: paged_attention (K/V read straight from
 // the pages) against gather + ATen attention (matmul/softmax) on the same
-// data, and against the memcpy time of the K/V bytes it reads. Decode, fp16,
-// 32 query heads, 8 kv heads, head_dim 128, page_size 16, shuffled page
+// data, against torch's scaled_dot_product_attention on contiguous K/V
+// (torch 2.5 and later), and against two limits of the K/V bytes it reads:
+// a memcpy of them and one pass that only reads them. Decode, fp16, 32
+// query heads, 8 kv heads, head_dim 128, page_size 16, shuffled page
 // tables, both layouts. Naming convention: bench/bench_support.hpp
-// (variants: memcpy = the K/V bytes, reference = gather + ATen, pagedkv).
+// (variants: memcpy and read = the K/V bytes, reference = gather + ATen,
+// sdpa = torch's SDPA, pagedkv).
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
 
@@ -17,6 +20,7 @@
 #include "bench_support.hpp"
 #include "pagedkv/attention.hpp"
 #include "pagedkv/paged_cache.hpp"
+#include "pagedkv/torch_compat.hpp"
 
 namespace {
 
@@ -77,7 +81,29 @@ struct AttentionFixture {
     q = at::randn({spec.batch, 1, kQueryHeads, kHeadDim}).to(spec.dtype);
     scale = 1.0 / std::sqrt(static_cast<double>(kHeadDim));
     limit = std::make_unique<CopyLimit>(bytes(spec));
+    read_limit = std::make_unique<ReadLimit>(bytes_read());
+    TORCH_CHECK(read_limit->bytes() == bytes(spec), "bench: the read pass reads ", read_limit->bytes(),
+                " bytes, the case ", bytes(spec));
+#if PAGEDKV_HAS_TORCH_SDPA_GQA
+    // What an engine without a paged cache holds: contiguous [B, H, T, D]
+    // K/V in the logical dtype (a quantized cache's gathered values).
+    const auto [k, v] = view().gather(0);  // [B, T, H, D]
+    k_contiguous = k.transpose(1, 2).contiguous();
+    v_contiguous = v.transpose(1, 2).contiguous();
+    q_sdpa = q.transpose(1, 2).contiguous();  // [B, n_heads, 1, D]
+#endif
     verify();
+  }
+
+  /// The bytes paged_attention reads, where they lie: the one layer's K and
+  /// V pages (the pool holds exactly the mapped pages) and, quantized, scales.
+  std::vector<ReadLimit::Span> bytes_read() const {
+    std::vector<ReadLimit::Span> spans;
+    for (const at::Tensor& t : {cache->k_cache(), cache->v_cache(), cache->k_scales(), cache->v_scales()}) {
+      if (!t.defined()) continue;
+      spans.push_back({static_cast<const char*>(t.data_ptr()), t.numel() * static_cast<int64_t>(t.element_size())});
+    }
+    return spans;
   }
 
   /// K and V bytes read: codes (1 byte per element) plus a float32 scale
@@ -92,13 +118,25 @@ struct AttentionFixture {
   pagedkv::CacheView<Layout> view() const { return cache->bind(table, lengths); }
   at::Tensor run() const { return pagedkv::paged_attention(view(), 0, q, scale); }
   at::Tensor run_reference() const { return gather_then_attention(view(), q, scale); }
+#if PAGEDKV_HAS_TORCH_SDPA_GQA
+  /// torch's SDPA on the contiguous K/V, GQA by enable_gqa; [B, n_heads, 1, D].
+  at::Tensor run_sdpa() const {
+    return at::scaled_dot_product_attention(q_sdpa, k_contiguous, v_contiguous, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                            /*is_causal=*/false, scale, /*enable_gqa=*/true);
+  }
+#endif
 
-  /// The benchmark is meaningless if pagedkv and the baseline disagree.
+  /// The benchmark is meaningless if pagedkv and the baselines disagree.
   void verify() const {
     const at::Tensor ours = run().to(at::kFloat);
-    const at::Tensor theirs = run_reference().to(at::kFloat);
-    const double err = (ours - theirs).abs().max().item<double>() / theirs.abs().max().item<double>();
-    TORCH_CHECK(err < 2e-2, "bench: paged_attention disagrees with gather + ATen attention (rel. error ", err, ")");
+    const auto check = [&](const at::Tensor& theirs, const char* what) {
+      const double err = (ours - theirs).abs().max().item<double>() / theirs.abs().max().item<double>();
+      TORCH_CHECK(err < 2e-2, "bench: paged_attention disagrees with ", what, " (rel. error ", err, ")");
+    };
+    check(run_reference().to(at::kFloat), "gather + ATen attention");
+#if PAGEDKV_HAS_TORCH_SDPA_GQA
+    check(run_sdpa().transpose(1, 2).to(at::kFloat), "torch's scaled_dot_product_attention");
+#endif
   }
 
   std::unique_ptr<PagedCache<Layout>> cache;
@@ -107,6 +145,12 @@ struct AttentionFixture {
   at::Tensor q;
   double scale = 0.0;
   std::unique_ptr<CopyLimit> limit;
+  std::unique_ptr<ReadLimit> read_limit;
+#if PAGEDKV_HAS_TORCH_SDPA_GQA
+  at::Tensor k_contiguous;  // [B, H, T, D]
+  at::Tensor v_contiguous;  // [B, H, T, D]
+  at::Tensor q_sdpa;        // [B, n_heads, 1, D]
+#endif
 };
 
 template <class Layout>
@@ -120,12 +164,22 @@ void register_attention(const AttentionSpec& spec) {
     auto& f = get();
     timed_loop(state, bench_name, bytes, [&] { f.limit->run(); });
   });
+  add(spec.name + "/read", [get, bytes](benchmark::State& state, const std::string& bench_name) {
+    auto& f = get();
+    timed_loop(state, bench_name, bytes, [&] { benchmark::DoNotOptimize(f.read_limit->run()); });
+  });
   if (spec.with_reference) {
     add(spec.name + "/reference", [get, bytes](benchmark::State& state, const std::string& bench_name) {
       auto& f = get();
       timed_loop(state, bench_name, bytes, [&] { benchmark::DoNotOptimize(f.run_reference()); });
     });
   }
+#if PAGEDKV_HAS_TORCH_SDPA_GQA
+  add(spec.name + "/sdpa", [get, bytes](benchmark::State& state, const std::string& bench_name) {
+    auto& f = get();
+    timed_loop(state, bench_name, bytes, [&] { benchmark::DoNotOptimize(f.run_sdpa()); });
+  });
+#endif
   add(spec.name + "/pagedkv", [get, bytes](benchmark::State& state, const std::string& bench_name) {
     auto& f = get();
     timed_loop(state, bench_name, bytes, [&] { benchmark::DoNotOptimize(f.run()); });
@@ -158,9 +212,12 @@ void register_layout(const std::string& layout) {
 }
 
 const bool registered = [] {
-  const auto [model, extensions] = cpu_model_and_extensions();
-  benchmark::AddCustomContext("pagedkv_cpu", model);
-  benchmark::AddCustomContext("pagedkv_vector_extensions", extensions);
+  const CpuDescription cpu = describe_cpu();
+  benchmark::AddCustomContext("pagedkv_cpu", cpu.model);
+  benchmark::AddCustomContext("pagedkv_vector_extensions", cpu.extensions);
+  if (!cpu.microarchitecture.empty()) {
+    benchmark::AddCustomContext("pagedkv_cpu_microarchitecture", cpu.microarchitecture);
+  }
   benchmark::AddCustomContext("pagedkv_attention_isa",
                               pagedkv::attention_kernels::isa_name(pagedkv::attention_kernels::selected_isa()));
   register_layout<NHD>("NHD");

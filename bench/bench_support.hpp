@@ -13,18 +13,27 @@
 //   memcpy     the limit: memcpy (and memset, where the case must write
 //              zeros) of exactly the bytes the case moves, between
 //              pre-faulted buffers, on the same threads as `pagedkv`.
+//   read       for cases that only read (decode attention): one vectorised
+//              pass that reads the same bytes where they lie and writes
+//              nothing, on the same threads: the limit of a kernel that
+//              reads its bytes once (a memcpy also writes every byte).
 //   reference  the baseline: a literal ATen port of the reference algorithm
 //              (reference/paged_cache.py), or whatever the case compares to.
+//   sdpa       decode attention's peer: torch's scaled_dot_product_attention
+//              on contiguous K/V (torch 2.5 and later; absent on 1.13).
 //   pagedkv    the library call under test.
 //
-// Register them in that order (memcpy, reference, pagedkv): `timed_loop`
-// records each variant's time per iteration, so the `pagedkv` (and
-// `reference`) benchmark can report, as counters of the same run,
-//   x_memcpy      = its time / the memcpy time      (1.0 = at the limit)
-//   x_faster_ref  = the reference time / its time   (pagedkv only)
+// Register them in that order (memcpy, read, reference, sdpa, pagedkv):
+// `timed_loop` records each variant's time per iteration, so the `pagedkv`
+// (and `reference`, `sdpa`) benchmark can report, as counters of the same run,
+//   x_memcpy       = its time / the memcpy time      (1.0 = at the limit)
+//   x_read         = its time / the read time        (cases with a `read`)
+//   x_faster_ref   = the reference time / its time   (pagedkv only)
+//   x_faster_sdpa  = the sdpa time / its time        (pagedkv only)
 // bench/report tables every case that has both a `pagedkv` and a `memcpy`
-// variant (the reference column is blank when a case has none) and lists
-// any other benchmark (e.g. `pool/...`) in a second table as plain times.
+// variant (the read, reference and SDPA columns are blank when a case has
+// none) and lists any other benchmark (e.g. `pool/...`) in a second table
+// as plain times.
 // All data-moving benchmarks measure wall time (UseRealTime): the kernels
 // run on several threads.
 //
@@ -38,6 +47,7 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -52,6 +62,10 @@
 #include <thread>
 #include <utility>
 #include <vector>
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "bench_data.hpp"
 #include "pagedkv/paged_cache.hpp"
@@ -83,13 +97,61 @@ namespace pagedkv_bench {
 
 // ---- the machine, in the JSON output ----
 
-/// The CPU's model name and the vector extensions pagedkv's kernels can
-/// use (from /proc/cpuinfo where there is one), and the instruction set the
-/// attention kernel picks, as custom context of the benchmark's output, so
-/// that bench/report names the machine the numbers come from (never the
+/// The microarchitecture that /proc/cpuinfo's vendor, family and model
+/// name ("Zen 3"), for the CPUs these benchmarks have met and their
+/// neighbours; empty when the numbers are not in the table. A guest may be
+/// handed an id that is not its host's: an Intel id without AMX whose flags
+/// list amx_tile is named by its flags instead ("Sapphire Rapids class").
+inline std::string microarchitecture_of(const std::string& vendor, int family, int model, const std::string& flags) {
+  const auto in = [model](int first, int last) { return model >= first && model <= last; };
+  if (vendor == "AuthenticAMD") {
+    if (family == 0x17) return model < 0x30 ? "Zen / Zen+" : "Zen 2";
+    if (family == 0x19) {
+      if (in(0x00, 0x0F) || in(0x20, 0x5F)) return "Zen 3";
+      if (in(0x10, 0x1F) || in(0x60, 0xAF)) return "Zen 4";
+    }
+    if (family == 0x1A) return "Zen 5";
+    return "";
+  }
+  if (vendor == "GenuineIntel" && family == 6) {
+    std::string name;
+    switch (model) {
+      case 0x55: name = "Skylake-SP / Cascade Lake"; break;
+      case 0x6A: case 0x6C: name = "Ice Lake-SP"; break;
+      case 0x8F: name = "Sapphire Rapids"; break;
+      case 0xCF: name = "Emerald Rapids"; break;
+      case 0xAD: case 0xAE: name = "Granite Rapids"; break;
+      case 0xAF: name = "Sierra Forest"; break;
+      case 0x8C: case 0x8D: name = "Tiger Lake"; break;
+      case 0x97: case 0x9A: name = "Alder Lake"; break;
+      case 0xB7: case 0xBA: case 0xBF: name = "Raptor Lake"; break;
+      case 0xA7: name = "Rocket Lake"; break;
+      default: break;
+    }
+    const bool amx_id = model == 0x8F || model == 0xCF || model == 0xAD || model == 0xAE;
+    if (!amx_id && flags.find(" amx_tile ") != std::string::npos) {
+      return "Sapphire Rapids class (by its flags: amx_tile" +
+             std::string(flags.find(" avx512_fp16 ") != std::string::npos ? ", avx512_fp16" : "") + ")";
+    }
+    return name;
+  }
+  return "";
+}
+
+/// What the benchmarks say about the machine they ran on (from
+/// /proc/cpuinfo where there is one), as custom context of the JSON output,
+/// so that bench/report names the machine the numbers come from (never the
 /// machine the report is made on).
-inline std::pair<std::string, std::string> cpu_model_and_extensions() {
-  std::string model = "unknown", flags;
+struct CpuDescription {
+  std::string model = "unknown";  ///< "model name"
+  std::string extensions;         ///< the vector extensions pagedkv's kernels can use
+  std::string microarchitecture;  ///< "Zen 3 (AuthenticAMD family 25 model 1)", or the ids alone
+};
+
+inline CpuDescription describe_cpu() {
+  CpuDescription cpu;
+  std::string flags, vendor;
+  int family = -1, model = -1;
   if (FILE* f = std::fopen("/proc/cpuinfo", "r")) {
     char line[8192];
     while (std::fgets(line, sizeof(line), f) != nullptr) {
@@ -100,8 +162,12 @@ inline std::pair<std::string, std::string> cpu_model_and_extensions() {
         v.erase(v.find_last_not_of(" \t\n") + 1);
         return v;
       };
-      if (l.rfind("model name", 0) == 0 && model == "unknown") model = value();
-      if (l.rfind("flags", 0) == 0 && flags.empty()) {
+      const auto starts = [&](const char* key) { return l.rfind(key, 0) == 0; };
+      if (starts("model name") && cpu.model == "unknown") cpu.model = value();
+      if (starts("vendor_id") && vendor.empty()) vendor = value();
+      if (starts("cpu family") && family < 0) family = std::atoi(value().c_str());
+      if (starts("model") && !starts("model name") && model < 0) model = std::atoi(value().c_str());
+      if (starts("flags") && flags.empty()) {
         // Appended, not `" " + value() + " "`: g++ 12 -Werror=restrict trips on that (a false positive).
         flags += ' ';
         flags += value();
@@ -110,17 +176,22 @@ inline std::pair<std::string, std::string> cpu_model_and_extensions() {
     }
     std::fclose(f);
   }
-  std::string extensions;
   for (const char* ext : {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16",
                           "amx_tile", "neon", "asimd"}) {
     std::string needle(" ");
     needle += ext;
     needle += ' ';
     if (flags.find(needle) == std::string::npos) continue;
-    if (!extensions.empty()) extensions += ' ';
-    extensions += ext;
+    if (!cpu.extensions.empty()) cpu.extensions += ' ';
+    cpu.extensions += ext;
   }
-  return {model, extensions.empty() ? "none of avx2/avx512" : extensions};
+  if (cpu.extensions.empty()) cpu.extensions = "none of avx2/avx512";
+  if (!vendor.empty() && family >= 0 && model >= 0) {
+    const std::string ids = vendor + " family " + std::to_string(family) + " model " + std::to_string(model);
+    const std::string name = microarchitecture_of(vendor, family, model, flags);
+    cpu.microarchitecture = name.empty() ? ids : name + " (" + ids + ")";
+  }
+  return cpu;
 }
 
 // ---- threads ----
@@ -233,6 +304,103 @@ class CopyLimit {
   at::Tensor dst_;
 };
 
+// ---- the read-only limit ----
+
+/// A vectorised pass that reads `spans` (a kernel's input bytes, where they
+/// lie) and writes nothing but one word per chunk: the limit of a kernel
+/// that reads each byte once and writes little (decode attention). Parallel
+/// over kMemcpyGrain-byte chunks of the spans taken end to end, as the
+/// memcpy is, so each thread reads a contiguous share in memory order. The
+/// words read are XOR-ed together and kept, so no load can be dropped.
+class ReadLimit {
+ public:
+  struct Span {
+    const char* data;  // [bytes]
+    int64_t bytes;
+  };
+
+  explicit ReadLimit(std::vector<Span> spans) : spans_(std::move(spans)) {
+    for (const Span& s : spans_) bytes_ += s.bytes;
+  }
+
+  /// One pass; returns the XOR of everything read (kept by the caller).
+  uint64_t run() const {
+    std::atomic<uint64_t> folded{0};
+    at::parallel_for(0, bytes_, kMemcpyGrain, [&](int64_t begin, int64_t end) {
+      uint64_t x = 0;
+      int64_t base = 0;  // offset of the span `s` in the spans taken end to end
+      for (const Span& s : spans_) {
+        const int64_t from = std::max(begin, base), to = std::min(end, base + s.bytes);
+        if (from < to) x ^= read_bytes(s.data + (from - base), to - from);
+        base += s.bytes;
+      }
+      folded.fetch_xor(x, std::memory_order_relaxed);
+    });
+    const uint64_t result = folded.load();
+    benchmark::DoNotOptimize(result);
+    return result;
+  }
+
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  /// XOR of the bytes at p[0, n), with AVX2 where the CPU has it (16-byte
+  /// SSE2 loads read 256 MiB 10-20 % slower on the Zen 3 guest in a scratch
+  /// test, under load: a hint only; a limit must not be slowed by its loop).
+  static uint64_t read_bytes(const char* p, int64_t n) noexcept {
+#if defined(__GNUC__) && defined(__x86_64__)
+    static const bool avx2 = __builtin_cpu_supports("avx2");
+    if (avx2) return read_bytes_avx2(p, n);
+#endif
+    return read_bytes_portable(p, n);
+  }
+
+  /// Four independent accumulators of 16 bytes (SSE2 on any x86-64; the
+  /// compiler's 16-byte vectors elsewhere).
+  static uint64_t read_bytes_portable(const char* p, int64_t n) noexcept {
+    using Lanes = uint64_t __attribute__((vector_size(16)));
+    const auto load = [p](int64_t at) {
+      Lanes v;
+      std::memcpy(&v, p + at, sizeof(v));
+      return v;
+    };
+    Lanes a = {}, b = {}, c = {}, d = {};
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      a ^= load(i);
+      b ^= load(i + 16);
+      c ^= load(i + 32);
+      d ^= load(i + 48);
+    }
+    const Lanes all = a ^ b ^ c ^ d;
+    uint64_t x = all[0] ^ all[1];
+    for (; i < n; ++i) x ^= static_cast<uint8_t>(p[i]);
+    return x;
+  }
+
+#if defined(__GNUC__) && defined(__x86_64__)
+  __attribute__((target("avx2"))) static uint64_t read_bytes_avx2(const char* p, int64_t n) noexcept {
+    const auto* v = reinterpret_cast<const __m256i*>(p);
+    __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+    int64_t i = 0;
+    for (; i + 128 <= n; i += 128, v += 4) {
+      a = _mm256_xor_si256(a, _mm256_loadu_si256(v));
+      b = _mm256_xor_si256(b, _mm256_loadu_si256(v + 1));
+      c = _mm256_xor_si256(c, _mm256_loadu_si256(v + 2));
+      d = _mm256_xor_si256(d, _mm256_loadu_si256(v + 3));
+    }
+    a = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
+    const __m128i half = _mm_xor_si128(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    uint64_t x = static_cast<uint64_t>(_mm_cvtsi128_si64(half)) ^ static_cast<uint64_t>(_mm_extract_epi64(half, 1));
+    for (; i < n; ++i) x ^= static_cast<uint8_t>(p[i]);
+    return x;
+  }
+#endif
+
+  std::vector<Span> spans_;
+  int64_t bytes_ = 0;
+};
+
 // ---- timing and ratio counters ----
 
 /// Seconds per iteration of each (case, variant) measured so far in this run.
@@ -258,13 +426,19 @@ void timed_loop(benchmark::State& state, const std::string& name, int64_t bytes,
   state.counters["threads"] = at::get_num_threads();
   auto& times = recorded_times();
   times[std::make_pair(case_name, variant)] = per_iter;
-  if (variant != "memcpy") {
-    const auto limit = times.find(std::make_pair(case_name, std::string("memcpy")));
-    if (limit != times.end()) state.counters["x_memcpy"] = per_iter / limit->second;
+  const auto recorded = [&](const char* other) {
+    const auto it = times.find(std::make_pair(case_name, std::string(other)));
+    return it == times.end() ? 0.0 : it->second;
+  };
+  if (variant != "memcpy" && variant != "read") {
+    if (const double limit = recorded("memcpy"); limit > 0) state.counters["x_memcpy"] = per_iter / limit;
+    if (const double limit = recorded("read"); limit > 0) state.counters["x_read"] = per_iter / limit;
   }
   if (variant == "pagedkv") {
-    const auto reference = times.find(std::make_pair(case_name, std::string("reference")));
-    if (reference != times.end()) state.counters["x_faster_ref"] = reference->second / per_iter;
+    if (const double reference = recorded("reference"); reference > 0) {
+      state.counters["x_faster_ref"] = reference / per_iter;
+    }
+    if (const double sdpa = recorded("sdpa"); sdpa > 0) state.counters["x_faster_sdpa"] = sdpa / per_iter;
   }
 }
 

@@ -19,3 +19,13 @@
 #else
 #define PAGEDKV_HAS_TORCH_FLOAT8 0
 #endif
+
+/// 1 where the libtorch's at::scaled_dot_product_attention takes
+/// `enable_gqa` (2.5 and later): fewer kv heads than query heads without
+/// repeating K/V first. Only the benchmarks use it (their SDPA rows, the
+/// peer of paged decode attention); 0 otherwise.
+#if PAGEDKV_TORCH_AT_LEAST(2, 5)
+#define PAGEDKV_HAS_TORCH_SDPA_GQA 1
+#else
+#define PAGEDKV_HAS_TORCH_SDPA_GQA 0
+#endif
