@@ -5,7 +5,9 @@ repository's include/ folder (this file's ../include), so the package builds
 from a checkout: `pip install --no-build-isolation ./python` (pip builds a
 local folder in place). PAGEDKV_INCLUDE names another folder holding
 pagedkv/pagedkv.hpp. PAGEDKV_WERROR=1 turns warnings in pagedkv's own
-sources into errors (the project's make targets set it).
+sources into errors (the project's make targets set it). PAGEDKV_OPT
+replaces the optimisation flag (default -O3; CI builds the tests at -O1,
+bench/NOTES.md "CI time": the same code paths, a third of the compile time).
 """
 import os
 import sys
@@ -33,8 +35,12 @@ if not os.path.isfile(os.path.join(INCLUDE, "pagedkv", "pagedkv.hpp")):
 
 TORCH_MAJOR = int(torch.__version__.split(".")[0])
 
+OPT = os.environ.get("PAGEDKV_OPT", "-O3")
+if OPT not in ("-O0", "-O1", "-O2", "-O3", "-Os"):
+    sys.exit("pagedkv: PAGEDKV_OPT must be one of -O0 -O1 -O2 -O3 -Os, got %r" % OPT)
+
 cxx_flags = [
-    "-O3",
+    OPT,
     "-g0",  # Python's own CFLAGS bring -g: debug info triples the object size and slows the build
     "-DNDEBUG",
     # at::parallel_for with ATen's OpenMP backend is an inline template: the
