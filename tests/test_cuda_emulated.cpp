@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda_emulator/emulator.hpp"
+#include "cuda_emulator/kernels.hpp"
 #include "pagedkv/cuda/page_copy.hpp"
 #include "pagedkv/cuda/params.hpp"
 #include "pagedkv/cuda/write_gather.hpp"
@@ -30,9 +30,7 @@
 namespace pkv {
 PAGEDKV_CUDA_USING_KERNEL_PARAMS
 }
-#include "cuda_sources/common.inc"
-#include "cuda_sources/copy.inc"
-#include "cuda_sources/quant.inc"
+#include "cuda_sources/common.inc"  // the codecs, tested here one by one
 
 namespace {
 
@@ -41,28 +39,10 @@ namespace pc = pagedkv::cuda;
 using pagedkv::KVFormat;
 using pagedkv::KVQuant;
 
-/// The emulator, with every write / gather / copy kernel this test runs.
+/// The emulator with the kernels compiled in cuda_emulator/kernels.cpp.
 pkv_emu::EmulatedExecutor& emulator() {
-  static pkv_emu::EmulatedExecutor* ex = [] {
-    auto* e = new pkv_emu::EmulatedExecutor();
-    e->add(PKV_EMULATE_PLAIN(write_native, WriteParams));
-    e->add(PKV_EMULATE_PLAIN(gather_native, GatherParams));
-    e->add(PKV_EMULATE_PLAIN(copy_pages, CopyParams));
-    e->add(PKV_EMULATE(write_quantized, WriteParams, 0, 1));
-    e->add(PKV_EMULATE(write_quantized, WriteParams, 0, 2));
-    e->add(PKV_EMULATE(write_quantized, WriteParams, 1, 1));
-    e->add(PKV_EMULATE(write_quantized, WriteParams, 1, 2));
-    e->add(PKV_EMULATE(write_quantized, WriteParams, 2, 1));
-    e->add(PKV_EMULATE(write_quantized, WriteParams, 2, 2));
-    e->add(PKV_EMULATE(gather_quantized, GatherParams, 0, 1));
-    e->add(PKV_EMULATE(gather_quantized, GatherParams, 0, 2));
-    e->add(PKV_EMULATE(gather_quantized, GatherParams, 1, 1));
-    e->add(PKV_EMULATE(gather_quantized, GatherParams, 1, 2));
-    e->add(PKV_EMULATE(gather_quantized, GatherParams, 2, 1));
-    e->add(PKV_EMULATE(gather_quantized, GatherParams, 2, 2));
-    return e;
-  }();
-  return *ex;
+  static pkv_emu::EmulatedExecutor ex = pkv_emu::kernels();
+  return ex;
 }
 
 // ---- the conversions and codecs, against c10 and quant/scalar.hpp ----

@@ -16,18 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "cuda_emulator/emulator.hpp"
+#include "cuda_emulator/kernels.hpp"
 #include "pagedkv/cuda/attention.hpp"
-#include "pagedkv/cuda/params.hpp"
 #include "test_support.hpp"
-
-namespace pkv {
-PAGEDKV_CUDA_USING_KERNEL_PARAMS
-}
-#include "cuda_sources/common.inc"
-#include "cuda_sources/copy.inc"
-#include "cuda_sources/quant.inc"
-#include "cuda_sources/attention.inc"
 
 namespace {
 
@@ -36,33 +27,11 @@ namespace pc = pagedkv::cuda;
 using pagedkv::KVFormat;
 using pagedkv::KVQuant;
 
-/// The emulator with the attention kernels the cases below launch: decode
-/// kernels covering every element kind (fp32, fp16, bf16, fp8, int8 codes:
-/// quantized pages of every dtype share one kernel), head tile and load path
-/// (head_dim 16; 3: narrow moves; 64: several lanes a row), prefill and
-/// merge. Each instantiation costs g++ seconds; cases() keeps to these.
+/// The emulator with the kernels compiled in cuda_emulator/kernels.cpp
+/// (the decode instantiations there are the ones cases() launch).
 pkv_emu::EmulatedExecutor& emulator() {
-  static pkv_emu::EmulatedExecutor* ex = [] {
-    auto* e = new pkv_emu::EmulatedExecutor();
-    e->add(PKV_EMULATE_PLAIN(attention_prefill, AttentionParams));
-    e->add(PKV_EMULATE_PLAIN(attention_merge, AttentionParams));
-    e->add(PKV_EMULATE(attention_decode, AttentionParams, 0, 0, 16, 1));
-    e->add(PKV_EMULATE(attention_decode, AttentionParams, 0, 1, 16, 2));
-    e->add(PKV_EMULATE(attention_decode, AttentionParams, 0, 2, 16, 4));
-    e->add(PKV_EMULATE(attention_decode, AttentionParams, 1, 0, 16, 8));
-    e->add(PKV_EMULATE(attention_decode, AttentionParams, 0, 1, 16, 8));
-    e->add(PKV_EMULATE(attention_decode, AttentionParams, 2, 0, 16, 4));
-    e->add(PKV_EMULATE(attention_decode, AttentionParams, 1, 0, 16, 4));
-    e->add(PKV_EMULATE(attention_decode, AttentionParams, 0, 1, 16, 4));
-    e->add(PKV_EMULATE(attention_decode, AttentionParams, 0, 0, 3, 4));
-    e->add(PKV_EMULATE(attention_decode, AttentionParams, 0, 1, 3, 2));
-    e->add(PKV_EMULATE(attention_decode, AttentionParams, 0, 2, 64, 8));
-    e->add(PKV_EMULATE(attention_decode, AttentionParams, 1, 0, 64, 4));
-    e->add(PKV_EMULATE(attention_decode, AttentionParams, 0, 2, 64, 1));
-    e->add(PKV_EMULATE(attention_decode, AttentionParams, 0, 2, 16, 2));
-    return e;
-  }();
-  return *ex;
+  static pkv_emu::EmulatedExecutor ex = pkv_emu::kernels();
+  return ex;
 }
 
 /// softmax(q k^T * scale + causal mask) v in float64, per sequence (as in

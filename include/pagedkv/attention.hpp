@@ -11,6 +11,7 @@
 //     simd/isa_portable.hpp, simd/isa_avx2.hpp (AVX2/FMA/F16C),
 //     simd/isa_avx512.hpp (AVX-512F)
 //   generic/attention.hpp       any other device: gather + ATen softmax
+//   cuda/attention.hpp          CUDA caches (views bound for the CUDA kernels)
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,6 +25,7 @@
 #include "pagedkv/cache_view.hpp"
 #include "pagedkv/checks.hpp"
 #include "pagedkv/cpu/attention/kernel.hpp"
+#include "pagedkv/cuda/cache_ops.hpp"
 #include "pagedkv/generic/attention.hpp"
 #include "pagedkv/kernels.hpp"
 #include "pagedkv/layouts.hpp"
@@ -41,6 +43,8 @@ template <class Layout>
 at::Tensor paged_attention(const CacheView<Layout>& view, int64_t layer,
                            const at::Tensor& q,  // [B, Sq, n_heads, D], the cache's dtype, any strides
                            double scale = 0.0) {
+  // A view bound for the CUDA kernels: checked against bind's host snapshot, no sync.
+  if (cuda::attends_with_cuda(view)) return cuda::view_attention(view, layer, q, scale);
   const checks::Caller caller{"paged_attention", Layout::name, nullptr};
   const PagedCache<Layout>& cache = view.cache();
   const PageGeometry& g = cache.geometry();
