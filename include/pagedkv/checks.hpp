@@ -14,8 +14,10 @@
 #include <limits>
 #include <ostream>
 #include <sstream>
+#include <utility>
 #include <vector>
 
+#include "pagedkv/cuda/bound_tables.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_pool.hpp"
@@ -237,6 +239,37 @@ void bound_pages_current(const Caller& caller, const PageTableRef<Index>& table,
                 "page_table[", row, "][", col, "] = ", page,
                 pool.is_allocated(page) ? " which was freed and reallocated" : " which was freed",
                 " since (a stale view: bind again)");
+  }
+}
+
+/// Not inside a CUDA graph capture (`capturing`: cuda::capturing of the
+/// cache's device), where bind's uploads cannot run.
+inline void not_capturing(const Caller& caller, bool capturing) {
+  TORCH_CHECK(!capturing, caller,
+              ": expected to be called outside a CUDA graph capture (it copies host memory to the device, or the "
+              "device's to the host): bind before capturing, and pass start_pos on the cpu");
+}
+
+/// A write's start positions, inside a CUDA graph capture, are the bound
+/// lengths' tail (the captured kernel reads the bound lengths on the device).
+inline void tail_in_capture(const Caller& caller, bool capturing, int64_t n_tokens) {
+  TORCH_CHECK(!capturing, caller, ": argument 'start_pos' expected to equal the bound lengths - ", n_tokens,
+              " inside a CUDA graph capture (the captured write reads the bound lengths on the device), got other "
+              "positions");
+}
+
+/// A view bound for the CUDA kernels may be used: no later bind reused its
+/// per-shape buffers, and (when the pool freed pages since its bind) every
+/// page the call touches, columns [first, end) = columns(row) of each row,
+/// is the page of its bind. O(1) when no page was freed since.
+template <class Index, class ColumnRange>
+void bound_view_current(const Caller& caller, const cuda::BoundTables& b, const PageTableRef<Index>& table,
+                        const PagePool& pool, const ColumnRange& columns) {
+  bound_buffers_current(caller, b.buffers != nullptr ? b.buffers->generation : 0, b.generation);
+  if (pool.free_epoch() == b.free_epoch) return;
+  for (int64_t row = 0; row < table.rows; ++row) {
+    const std::pair<int64_t, int64_t> cols = columns(row);
+    bound_pages_current(caller, table, row, cols.first, cols.second, pool, b.alloc_epoch);
   }
 }
 

@@ -118,8 +118,9 @@ void copy_unchecked(const PagedCache<ToLayout>& to, const PagedCache<FromLayout>
                     const int64_t* dst, int64_t n, bool overlap) {
   if (n == 0) return;
   constexpr bool same_layout = std::is_same<ToLayout, FromLayout>::value;
-  if ((cuda::use_cuda_kernels(to.device()) || cuda::use_cuda_kernels(from.device())) &&
-      cuda::copy_cache_pages(page_tensors(to), page_tensors(from), to.n_layers(), src, dst, n, same_layout, overlap)) {
+  const bool to_cuda = kernels::use_cuda_kernels(to.device()), from_cuda = kernels::use_cuda_kernels(from.device());
+  if ((to_cuda || from_cuda) && cuda::copy_cache_pages(page_tensors(to), page_tensors(from), to_cuda, from_cuda,
+                                                       to.n_layers(), src, dst, n, same_layout, overlap)) {
     return;  // a side runs the CUDA kernels
   }
   const bool cpu = kernels::use_cpu_kernels(to.device()) && kernels::use_cpu_kernels(from.device());

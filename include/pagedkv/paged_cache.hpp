@@ -147,8 +147,9 @@ class PagedCache {
     const at::Tensor host_table = on_host(page_table);
     check_total_len(caller, host_table, total_len);
     CacheView<Layout> view(this, page_table, total_len);
-    if (cuda::use_cuda_kernels(device())) {
-      view.bound_ = cuda::bind_tables(caller, *this, *bind_buffers_, host_table, nullptr, BindBuffers::fresh);
+    if (kernels::use_cuda_kernels(device())) {
+      checks::not_capturing(caller, cuda::capturing(device()));
+      view.bound_ = cuda::bind_tables(*this, *bind_buffers_, host_table, nullptr, BindBuffers::fresh);
     }
     return view;
   }
@@ -173,8 +174,9 @@ class PagedCache {
       }
     });
     CacheView<Layout> view(this, page_table, lengths);
-    if (cuda::use_cuda_kernels(device())) {
-      view.bound_ = cuda::bind_tables(caller, *this, *bind_buffers_, host_table, &lens, buffers);
+    if (kernels::use_cuda_kernels(device())) {
+      checks::not_capturing(caller, cuda::capturing(device()));
+      view.bound_ = cuda::bind_tables(*this, *bind_buffers_, host_table, &lens, buffers);
     }
     return view;
   }
@@ -355,7 +357,7 @@ class PagedCache {
         checks::write_range(caller, table, row, starts[static_cast<size_t>(row)], n_tokens, page_size(), pool_);
       }
       // Validated: from here on nothing throws (but a device error).
-      if (cuda::use_cuda_kernels(device())) {
+      if (kernels::use_cuda_kernels(device())) {
         write_cuda(layer, page_table, starts, k, v);
       } else if (is_quantized(quant_)) {
         write_quantized(layer, table, starts, n_tokens, k, v);
@@ -377,7 +379,7 @@ class PagedCache {
   std::pair<at::Tensor, at::Tensor> gather_checked(int64_t layer, const at::Tensor& page_table,
                                                    const PageTableRef<Index>& table,
                                                    const std::vector<int64_t>& lengths, int64_t n_tokens) const {
-    if (cuda::use_cuda_kernels(device())) return gather_cuda(layer, page_table, lengths, n_tokens);
+    if (kernels::use_cuda_kernels(device())) return gather_cuda(layer, page_table, lengths, n_tokens);
     if (is_quantized(quant_)) return gather_quantized(layer, table, lengths, n_tokens);
     if (!kernels::use_cpu_kernels(device())) {
       return kernels::gather_generic(table, lengths, n_tokens, k_cache_.select(0, layer), v_cache_.select(0, layer),
@@ -426,22 +428,91 @@ class PagedCache {
   }
 
   /// CacheView::write of a view bound for the CUDA kernels (start_pos
-  /// undefined: `scalar`).
+  /// undefined: `scalar`): checked against bind's host snapshot; start
+  /// positions equal to the bound lengths' tail read the bound lengths on
+  /// the device (what a replayed CUDA graph needs), others are uploaded.
   // cppcheck-suppress unusedPrivateFunction ; called by the friend CacheView
   void write_bound(const CacheView<Layout>& view, int64_t layer, const at::Tensor& start_pos, int64_t scalar,
                    const at::Tensor& k, const at::Tensor& v) {
-    if (cuda::use_cuda_kernels(device())) return cuda::view_write(view, layer, start_pos, scalar, k, v);
-    if (start_pos.defined()) return write(layer, view.page_table(), start_pos, k, v);
-    write(layer, view.page_table(), scalar, k, v);
+    if (!kernels::use_cuda_kernels(device())) {  // bound for the CUDA kernels, used without them
+      if (start_pos.defined()) return write(layer, view.page_table(), start_pos, k, v);
+      return write(layer, view.page_table(), scalar, k, v);
+    }
+    const cuda::BoundTables& b = *view.bound_tables();
+    const checks::Caller caller{"PagedCache", Layout::name, "write"};
+    const int64_t batch = b.host_table.size(0);
+    checks::layer(caller, layer, n_layers_);
+    checks::page_table(caller, b.host_table, device());
+    checks::key_values(caller, k, v, batch, geometry_, dtype(), device());
+    std::vector<int64_t> starts;
+    if (start_pos.defined()) {
+      if (!start_pos.device().is_cpu()) checks::not_capturing(caller, cuda::capturing(device()));
+      starts = checks::per_sequence(caller, "start_pos", start_pos, batch, device());
+    } else {
+      checks::non_negative(caller, "start_pos", scalar);
+      starts.assign(static_cast<size_t>(batch), scalar);
+    }
+    const int64_t n_tokens = k.size(1);
+    visit_page_table(b.host_table, [&](const auto& table) {
+      for (int64_t row = 0; row < table.rows; ++row) {
+        checks::write_range(caller, table, row, starts[static_cast<size_t>(row)], n_tokens, page_size(), pool_);
+      }
+      const PageDivisor pages(page_size());
+      checks::bound_view_current(caller, b, table, pool_, [&](int64_t row) {  // the pages it writes
+        const int64_t first = starts[static_cast<size_t>(row)];
+        if (n_tokens == 0) return std::make_pair(int64_t{0}, int64_t{0});
+        return std::make_pair(pages.column(first), pages.column(first + n_tokens - 1) + 1);
+      });
+    });
+    bool tail = start_pos.defined() && !b.host_lengths.empty();
+    for (int64_t row = 0; tail && row < batch; ++row) {
+      tail = starts[static_cast<size_t>(row)] + n_tokens == b.host_lengths[static_cast<size_t>(row)];
+    }
+    if (start_pos.defined() && !tail) checks::tail_in_capture(caller, cuda::capturing(device()), n_tokens);
+    // Validated: from here on nothing throws (but a device error).
+    cuda::Starts where;
+    at::Tensor uploaded;
+    if (!start_pos.defined()) {
+      where.scalar = scalar;  // a launch argument (baked into a captured graph)
+    } else if (tail) {
+      where.tail_lengths = b.device_lengths.data_ptr<int64_t>();
+    } else {
+      uploaded = cuda::on_device(cuda::host_int64(starts), device());
+      where.per_row = uploaded.data_ptr<int64_t>();
+    }
+    cuda::write_layer(*this, layer, cuda::table_ref(b.device_table), where, k, v);
   }
 
-  /// CacheView::gather of a view bound for the CUDA kernels.
+  /// CacheView::gather of a view bound for the CUDA kernels (the callers
+  /// and the checks as on the CPU path, against bind's host snapshot).
   // cppcheck-suppress unusedPrivateFunction ; called by the friend CacheView
   std::pair<at::Tensor, at::Tensor> gather_bound(const CacheView<Layout>& view, int64_t layer) const {
-    if (cuda::use_cuda_kernels(device())) return cuda::view_gather(view, layer);
-    if (view.lengths().defined()) return gather(layer, view.page_table(), view.lengths());
-    if (view.total_len() > 0) return gather_prefix(layer, view.page_table(), view.total_len());
-    return gather(layer, view.page_table());
+    const bool prefix = view.total_len() > 0 && !view.lengths().defined();
+    if (!kernels::use_cuda_kernels(device())) {  // bound for the CUDA kernels, used without them
+      if (view.lengths().defined()) return gather(layer, view.page_table(), view.lengths());
+      if (prefix) return gather_prefix(layer, view.page_table(), view.total_len());
+      return gather(layer, view.page_table());
+    }
+    const cuda::BoundTables& b = *view.bound_tables();
+    const checks::Caller caller{prefix ? "CacheView" : "PagedCache", Layout::name, "gather"};
+    checks::layer(caller, layer, n_layers_);
+    checks::page_table(caller, b.host_table, device());
+    return visit_page_table(b.host_table, [&](const auto& table) {
+      if (view.lengths().defined()) {
+        checks::bound_view_current(caller, b, table, pool_, [&](int64_t row) {
+          return std::make_pair(int64_t{0}, (b.host_lengths[static_cast<size_t>(row)] + page_size() - 1) / page_size());
+        });
+        const int64_t n_tokens = b.host_lengths.empty() ? 0 : *std::max_element(b.host_lengths.begin(),
+                                                                                 b.host_lengths.end());
+        return cuda::gather_layer(*this, layer, cuda::table_ref(b.device_table), b.device_lengths.data_ptr<int64_t>(),
+                                  0, n_tokens);
+      }
+      const int64_t n_tokens = prefix ? view.total_len() : checks::mapped_columns(table) * page_size();
+      const int64_t cols = (n_tokens + page_size() - 1) / page_size();
+      checks::readable_columns(caller, table, cols, pool_);
+      checks::bound_view_current(caller, b, table, pool_, [cols](int64_t) { return std::make_pair(int64_t{0}, cols); });
+      return cuda::gather_layer(*this, layer, cuda::table_ref(b.device_table), nullptr, n_tokens, n_tokens);
+    });
   }
 
   /// Calls f(T{}) with the C++ type of the logical dtype (quantized caches: float32, float16, bfloat16).

@@ -1,18 +1,18 @@
-// Which caches take the CUDA kernels, and the Executor that runs them: a
-// cache on a CUDA device of a PAGEDKV_WITH_CUDA build, unless
-// ScopedBackend(Backend::generic) forces the ATen path. Tests can route
-// CPU caches through the same host code with an emulated executor
-// (ScopedExecutor), which is how the CUDA path's checks, binds and launches
+// The Executor that runs a cache's CUDA kernels (kernels::use_cuda_kernels
+// says which caches run them): the device's, or, while a ScopedExecutor is
+// active, the one it names. Tests route CPU caches through the CUDA path's
+// host code with the CPU emulator that way: its checks, binds and launches
 // are tested without a GPU.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <vector>
+
 #include "pagedkv/cuda/config.hpp"
 #include "pagedkv/cuda/device_executor.hpp"
 #include "pagedkv/cuda/launch.hpp"
-#include "pagedkv/kernels.hpp"
 
 namespace pagedkv {
 namespace cuda {
@@ -39,14 +39,10 @@ class ScopedExecutor {
   Executor* previous_;
 };
 
-/// Whether a cache on `device` takes the CUDA kernels.
-inline bool use_cuda_kernels(const at::Device& device) {
-  if (pagedkv::detail::backend_override() != Backend::automatic) return false;
-  if (detail::executor_override() != nullptr) return device.is_cpu();
-  return PAGEDKV_WITH_CUDA && device.is_cuda();
-}
+/// Whether a ScopedExecutor routes CPU caches through the CUDA path.
+inline bool emulated() noexcept { return detail::executor_override() != nullptr; }
 
-/// The executor for a cache on `device` (use_cuda_kernels(device)).
+/// The executor for a cache on `device` (kernels::use_cuda_kernels(device)).
 inline Executor& executor_for(const at::Device& device) {
   Executor* e = detail::executor_override();
 #if PAGEDKV_WITH_CUDA

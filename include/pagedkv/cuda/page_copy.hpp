@@ -85,7 +85,8 @@ inline PageTensor page_tensor(const at::Tensor& t, const PageGeometry& g) {
   return {t.data_ptr(), t.stride(0) * es, es, g};
 }
 
-/// page_copy::copy_unchecked's copies when one side runs the CUDA kernels:
+/// page_copy::copy_unchecked's copies when a side runs the CUDA kernels
+/// (`to_cuda`, `from_cuda`: kernels::use_cuda_kernels of each side):
 /// to[dst[i]] <- from[src[i]], i < n, every page tensor, every layer (ids
 /// validated, on the host). Within one device, one kernel per page tensor
 /// (through a staging buffer when the lists overlap); host -> device, the
@@ -93,12 +94,13 @@ inline PageTensor page_tensor(const at::Tensor& t, const PageGeometry& g) {
 /// stream, scattered by a kernel; device -> host, gathered by a kernel,
 /// copied back (a wait for the device: the host needs the bytes), scattered
 /// on the host. Returns false, copying nothing, for other device pairs.
-inline bool copy_cache_pages(const PageTensors& to, const PageTensors& from, int64_t n_layers, const int64_t* src,
-                             const int64_t* dst, int64_t n, bool same_layout, bool overlap) {
+inline bool copy_cache_pages(const PageTensors& to, const PageTensors& from, bool to_cuda, bool from_cuda,
+                             int64_t n_layers, const int64_t* src, const int64_t* dst, int64_t n, bool same_layout,
+                             bool overlap) {
   const at::Device to_device = to[0].first.device(), from_device = from[0].first.device();
-  const bool same_device = use_cuda_kernels(to_device) && from_device == to_device;
-  const bool upward = use_cuda_kernels(to_device) && to_device.is_cuda() && from_device.is_cpu();
-  const bool downward = use_cuda_kernels(from_device) && from_device.is_cuda() && to_device.is_cpu();
+  const bool same_device = to_cuda && from_device == to_device;
+  const bool upward = to_cuda && to_device.is_cuda() && from_device.is_cpu();
+  const bool downward = from_cuda && from_device.is_cuda() && to_device.is_cpu();
   if (!same_device && !upward && !downward) return false;
   if (n == 0) return true;
   const at::Device device = downward ? from_device : to_device;
