@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -13,8 +14,10 @@
 #include <limits>
 #include <ostream>
 #include <sstream>
+#include <utility>
 #include <vector>
 
+#include "pagedkv/cuda/bound_tables.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_pool.hpp"
@@ -207,6 +210,66 @@ void mapped_prefix(const Caller& caller, const PageTableRef<Index>& table, int64
                       col * page_size, " (the tokens page_table row ", row, " maps before its first -1 at column ",
                       col, "), got ", length);
     page_allocated(caller, table, row, col, pool);
+  }
+}
+
+/// A view bound into a cache's per-shape device buffers
+/// (BindBuffers::per_shape) finds them as its bind left them: no later
+/// bind of the shape wrote into them (generations equal; 0 and 0 for a
+/// view with buffers of its own).
+inline void bound_buffers_current(const Caller& caller, uint64_t buffers_generation, uint64_t view_generation) {
+  TORCH_CHECK(buffers_generation == view_generation, caller,
+              ": expected a view whose device buffers hold its own bind, got one whose buffers a later bind of the "
+              "same shape reused (BindBuffers::per_shape, ",
+              buffers_generation - view_generation, " bind(s) later): use the latest view");
+}
+
+/// The pages of row `row`, columns [first_col, end_col), are those the view
+/// bound when the pool stood at alloc_epoch `epoch`: none freed, or freed
+/// and reallocated, since (entries of -1 and ids out of range are left to
+/// the other checks).
+template <class Index>
+void bound_pages_current(const Caller& caller, const PageTableRef<Index>& table, int64_t row, int64_t first_col,
+                         int64_t end_col, const PagePool& pool, uint64_t epoch) {
+  end_col = std::min(end_col, table.cols);
+  for (int64_t col = std::max<int64_t>(first_col, 0); col < end_col; ++col) {
+    const int64_t page = table(row, col);
+    if (page < 0 || page >= pool.n_pages()) continue;
+    TORCH_CHECK(!pool.reallocated_since(page, epoch), caller, ": expected the view's pages as they were at bind, got ",
+                "page_table[", row, "][", col, "] = ", page,
+                pool.is_allocated(page) ? " which was freed and reallocated" : " which was freed",
+                " since (a stale view: bind again)");
+  }
+}
+
+/// Not inside a CUDA graph capture (`capturing`: cuda::capturing of the
+/// cache's device), where bind's uploads cannot run.
+inline void not_capturing(const Caller& caller, bool capturing) {
+  TORCH_CHECK(!capturing, caller,
+              ": expected to be called outside a CUDA graph capture (it copies host memory to the device, or the "
+              "device's to the host): bind before capturing, and pass start_pos on the cpu");
+}
+
+/// A write's start positions, inside a CUDA graph capture, are the bound
+/// lengths' tail (the captured kernel reads the bound lengths on the device).
+inline void tail_in_capture(const Caller& caller, bool capturing, int64_t n_tokens) {
+  TORCH_CHECK(!capturing, caller, ": argument 'start_pos' expected to equal the bound lengths - ", n_tokens,
+              " inside a CUDA graph capture (the captured write reads the bound lengths on the device), got other "
+              "positions");
+}
+
+/// A view bound for the CUDA kernels may be used: no later bind reused its
+/// per-shape buffers, and (when the pool freed pages since its bind) every
+/// page the call touches, columns [first, end) = columns(row) of each row,
+/// is the page of its bind. O(1) when no page was freed since.
+template <class Index, class ColumnRange>
+void bound_view_current(const Caller& caller, const cuda::BoundTables& b, const PageTableRef<Index>& table,
+                        const PagePool& pool, const ColumnRange& columns) {
+  bound_buffers_current(caller, b.buffers != nullptr ? b.buffers->generation : 0, b.generation);
+  if (pool.free_epoch() == b.free_epoch) return;
+  for (int64_t row = 0; row < table.rows; ++row) {
+    const std::pair<int64_t, int64_t> cols = columns(row);
+    bound_pages_current(caller, table, row, cols.first, cols.second, pool, b.alloc_epoch);
   }
 }
 

@@ -3,7 +3,9 @@
 // moving pages between a device cache and a host cache) and by
 // SequenceTable.
 //
-// This header checks the lists and chooses the path: CPU -> CPU copies are
+// This header checks the lists and chooses the path: a side that runs the
+// CUDA kernels copies with them (cuda/page_copy.hpp: one kernel per page
+// tensor, host <-> device through pinned memory); CPU -> CPU copies are
 // hand-written (cpu/page_copy.hpp); any other device pair (or
 // Backend::generic) takes the ATen path (generic/page_copy.hpp). Only the
 // pages are copied: each page is moved as one batch, never with a host
@@ -22,6 +24,7 @@
 
 #include "pagedkv/checks.hpp"
 #include "pagedkv/cpu/page_copy.hpp"
+#include "pagedkv/cuda/page_copy.hpp"
 #include "pagedkv/generic/page_copy.hpp"
 #include "pagedkv/kernels.hpp"
 #include "pagedkv/kv_format.hpp"
@@ -115,6 +118,11 @@ void copy_unchecked(const PagedCache<ToLayout>& to, const PagedCache<FromLayout>
                     const int64_t* dst, int64_t n, bool overlap) {
   if (n == 0) return;
   constexpr bool same_layout = std::is_same<ToLayout, FromLayout>::value;
+  const bool to_cuda = kernels::use_cuda_kernels(to.device()), from_cuda = kernels::use_cuda_kernels(from.device());
+  if ((to_cuda || from_cuda) && cuda::copy_cache_pages(page_tensors(to), page_tensors(from), to_cuda, from_cuda,
+                                                       to.n_layers(), src, dst, n, same_layout, overlap)) {
+    return;  // a side runs the CUDA kernels
+  }
   const bool cpu = kernels::use_cpu_kernels(to.device()) && kernels::use_cpu_kernels(from.device());
   if (is_quantized(to.quant())) {  // same_geometry: from has the same formats
     const auto to_tensors = page_tensors(to);

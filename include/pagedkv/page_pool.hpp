@@ -21,6 +21,7 @@ class PagePool {
  public:
   explicit PagePool(int64_t n_pages) : free_(checked_size(n_pages), /*all_set=*/true),
                                        refs_(static_cast<size_t>(n_pages), 0),
+                                       allocated_at_(static_cast<size_t>(n_pages), 0),
                                        n_free_(n_pages) {}
 
   /// Lowest-numbered free page with ref = 1; -1 when none is free.
@@ -38,7 +39,11 @@ class PagePool {
     if (n > n_free_) return {};
     std::vector<int64_t> pages(static_cast<size_t>(n));
     free_.take_lowest(n, pages.data());  // the n lowest free pages, ascending: what n alloc()s give
-    for (const int64_t page : pages) refs_[idx(page)] = 1;
+    ++alloc_epoch_;
+    for (const int64_t page : pages) {
+      refs_[idx(page)] = 1;
+      allocated_at_[idx(page)] = alloc_epoch_;
+    }
     n_free_ -= n;
     return pages;
   }
@@ -62,6 +67,7 @@ class PagePool {
     if (--refs_[idx(page)] == 0) {
       free_.set(page);
       ++n_free_;
+      ++free_epoch_;
     }
   }
 
@@ -88,6 +94,7 @@ class PagePool {
   /// (a double free), nothing changes. For releasing a sequence's pages.
   void free_all(c10::ArrayRef<int64_t> pages) {
     size_t done = 0;
+    const int64_t n_free_before = n_free_;
     for (; done < pages.size(); ++done) {
       const int64_t page = pages[done];
       if (!in_range(page) || refs_[idx(page)] <= 0) break;
@@ -96,7 +103,10 @@ class PagePool {
         ++n_free_;
       }
     }
-    if (done == pages.size()) return;
+    if (done == pages.size()) {
+      if (n_free_ != n_free_before) ++free_epoch_;
+      return;
+    }
     for (size_t i = 0; i < done; ++i) {  // undo: nothing changed
       const int64_t page = pages[i];
       if (refs_[idx(page)]++ == 0) {
@@ -120,6 +130,22 @@ class PagePool {
 
   int64_t n_pages() const noexcept { return static_cast<int64_t>(refs_.size()); }
   int64_t n_free() const noexcept { return n_free_; }
+
+  // ---- epochs: what a CUDA view checks instead of re-reading its table ----
+
+  /// Counts the calls that allocated pages; each page keeps the count of
+  /// the call that last allocated it.
+  uint64_t alloc_epoch() const noexcept { return alloc_epoch_; }
+  /// Counts the calls that freed pages (a reference count reaching 0).
+  /// While it is unchanged, every page allocated before is still allocated,
+  /// by the same allocation.
+  uint64_t free_epoch() const noexcept { return free_epoch_; }
+  /// Whether `page` (in range) is free now, or was allocated after the pool
+  /// stood at alloc_epoch() == `epoch`: freed and reallocated since (no
+  /// throw: for validators).
+  bool reallocated_since(int64_t page, uint64_t epoch) const noexcept {
+    return refs_[idx(page)] <= 0 || allocated_at_[idx(page)] > epoch;
+  }
 
   /// Audits every invariant with a full scan (O(n_pages): for tests and
   /// debugging, not hot paths): the free bitmap and its summary levels agree
@@ -192,14 +218,18 @@ class PagePool {
   void take(int64_t page) noexcept {
     free_.clear(page);
     refs_[idx(page)] = 1;
+    allocated_at_[idx(page)] = ++alloc_epoch_;
     --n_free_;
   }
 
   friend struct PagePoolTestAccess;  // tests corrupt the state to prove check() sees it
 
-  HierarchicalBitmap free_;   // bit set = page free
-  std::vector<int32_t> refs_;  // [n_pages]
+  HierarchicalBitmap free_;             // bit set = page free
+  std::vector<int32_t> refs_;            // [n_pages]
+  std::vector<uint64_t> allocated_at_;   // [n_pages]: alloc_epoch_ of the page's last allocation
   int64_t n_free_;
+  uint64_t alloc_epoch_ = 0;
+  uint64_t free_epoch_ = 0;
 };
 
 }  // namespace pagedkv

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -16,6 +17,8 @@
 #include "pagedkv/cache_view.hpp"
 #include "pagedkv/checks.hpp"
 #include "pagedkv/cpu/quant/kernels.hpp"
+#include "pagedkv/cuda/bound_tables.hpp"
+#include "pagedkv/cuda/cache_ops.hpp"
 #include "pagedkv/generic/quant_kernels.hpp"
 #include "pagedkv/kernels.hpp"
 #include "pagedkv/kv_format.hpp"
@@ -111,7 +114,8 @@ class PagedCache {
       const int64_t cols = checks::mapped_columns(table);
       checks::readable_columns(caller, table, cols, pool_);
       const int64_t n_tokens = cols * page_size();
-      return gather_checked(layer, table, std::vector<int64_t>(static_cast<size_t>(table.rows), n_tokens), n_tokens);
+      return gather_checked(layer, page_table, table, std::vector<int64_t>(static_cast<size_t>(table.rows), n_tokens),
+                            n_tokens);
     });
   }
 
@@ -131,7 +135,7 @@ class PagedCache {
         checks::mapped_prefix(caller, table, row, lens[static_cast<size_t>(row)], page_size(), pool_);
       }
       const int64_t n_tokens = lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());
-      return gather_checked(layer, table, lens, n_tokens);
+      return gather_checked(layer, page_table, table, lens, n_tokens);
     });
   }
 
@@ -140,21 +144,41 @@ class PagedCache {
     const checks::Caller caller{"PagedCache", Layout::name, "bind"};
     checks::page_table(caller, page_table, device());
     checks::non_negative(caller, "total_len", total_len);
-    check_total_len(caller, on_host(page_table), total_len);
-    return CacheView<Layout>(this, page_table, total_len);
+    const at::Tensor host_table = on_host(page_table);
+    check_total_len(caller, host_table, total_len);
+    CacheView<Layout> view(this, page_table, total_len);
+    if (kernels::use_cuda_kernels(device())) {
+      checks::not_capturing(caller, cuda::capturing(device()));
+      view.bound_ = cuda::bind_tables(*this, *bind_buffers_, host_table, nullptr, BindBuffers::fresh);
+    }
+    return view;
   }
 
   /// A view whose gather uses per-sequence lengths [B].
   CacheView<Layout> bind(const at::Tensor& page_table, const at::Tensor& lengths) {
+    return bind(page_table, lengths, BindBuffers::fresh);
+  }
+
+  /// bind(page_table, lengths), with the device copies the CUDA kernels
+  /// read put in `buffers`: the view's own (fresh), or the memory the cache
+  /// keeps for this shape (per_shape), which a captured CUDA graph reads
+  /// (docs/gpu.md). Ignored by caches that do not run the CUDA kernels.
+  CacheView<Layout> bind(const at::Tensor& page_table, const at::Tensor& lengths, BindBuffers buffers) {
     const checks::Caller caller{"PagedCache", Layout::name, "bind"};
     checks::page_table(caller, page_table, device());
     const std::vector<int64_t> lens = checks::per_sequence(caller, "lengths", lengths, page_table.size(0), device());
-    visit_page_table(on_host(page_table), [&](const auto& table) {
+    const at::Tensor host_table = on_host(page_table);
+    visit_page_table(host_table, [&](const auto& table) {
       for (int64_t row = 0; row < table.rows; ++row) {
         checks::mapped_prefix(caller, table, row, lens[static_cast<size_t>(row)], page_size(), pool_);
       }
     });
-    return CacheView<Layout>(this, page_table, lengths);
+    CacheView<Layout> view(this, page_table, lengths);
+    if (kernels::use_cuda_kernels(device())) {
+      checks::not_capturing(caller, cuda::capturing(device()));
+      view.bound_ = cuda::bind_tables(*this, *bind_buffers_, host_table, &lens, buffers);
+    }
+    return view;
   }
 
   // ---- whole-page copies (page_copy.hpp) ----
@@ -320,8 +344,8 @@ class PagedCache {
     check_total_len(caller, host_table, total_len);
     return visit_page_table(host_table, [&](const auto& table) {
       checks::readable_columns(caller, table, (total_len + page_size() - 1) / page_size(), pool_);
-      return gather_checked(layer, table, std::vector<int64_t>(static_cast<size_t>(table.rows), total_len),
-                            total_len);
+      return gather_checked(layer, page_table, table,
+                            std::vector<int64_t>(static_cast<size_t>(table.rows), total_len), total_len);
     });
   }
 
@@ -332,8 +356,10 @@ class PagedCache {
       for (int64_t row = 0; row < table.rows; ++row) {
         checks::write_range(caller, table, row, starts[static_cast<size_t>(row)], n_tokens, page_size(), pool_);
       }
-      // Validated: from here on nothing throws.
-      if (is_quantized(quant_)) {
+      // Validated: from here on nothing throws (but a device error).
+      if (kernels::use_cuda_kernels(device())) {
+        write_cuda(layer, page_table, starts, k, v);
+      } else if (is_quantized(quant_)) {
         write_quantized(layer, table, starts, n_tokens, k, v);
       } else if (kernels::use_cpu_kernels(device())) {
         const auto src = kernels::token_major(static_cast<const char*>(k.data_ptr()), k,
@@ -350,8 +376,10 @@ class PagedCache {
   }
 
   template <class Index>
-  std::pair<at::Tensor, at::Tensor> gather_checked(int64_t layer, const PageTableRef<Index>& table,
+  std::pair<at::Tensor, at::Tensor> gather_checked(int64_t layer, const at::Tensor& page_table,
+                                                   const PageTableRef<Index>& table,
                                                    const std::vector<int64_t>& lengths, int64_t n_tokens) const {
+    if (kernels::use_cuda_kernels(device())) return gather_cuda(layer, page_table, lengths, n_tokens);
     if (is_quantized(quant_)) return gather_quantized(layer, table, lengths, n_tokens);
     if (!kernels::use_cpu_kernels(device())) {
       return kernels::gather_generic(table, lengths, n_tokens, k_cache_.select(0, layer), v_cache_.select(0, layer),
@@ -366,6 +394,125 @@ class PagedCache {
                                           static_cast<char*>(v_out.data_ptr()), v_out);
     kernels::gather_cpu(table, lengths, n_tokens, src, dst, geometry_, elem_size());
     return {k_out, v_out};
+  }
+
+  // ---- the CUDA kernels (cuda/cache_ops.hpp) ----
+
+  /// write_checked on a cache with CUDA kernels: the table on the device
+  /// (the caller's, or a copy), the start positions as a launch argument
+  /// when they are all equal, else copied to the device.
+  void write_cuda(int64_t layer, const at::Tensor& page_table, const std::vector<int64_t>& starts,
+                  const at::Tensor& k, const at::Tensor& v) {
+    const at::Tensor table = cuda::on_device(page_table, device());
+    cuda::Starts where;
+    at::Tensor uploaded;
+    if (std::adjacent_find(starts.begin(), starts.end(), std::not_equal_to<int64_t>()) == starts.end()) {
+      where.scalar = starts.empty() ? 0 : starts.front();
+    } else {
+      uploaded = cuda::on_device(cuda::host_int64(starts), device());
+      where.per_row = uploaded.data_ptr<int64_t>();
+    }
+    cuda::write_layer(*this, layer, cuda::table_ref(table), where, k, v);
+  }
+
+  /// gather_checked on a cache with CUDA kernels.
+  std::pair<at::Tensor, at::Tensor> gather_cuda(int64_t layer, const at::Tensor& page_table,
+                                                const std::vector<int64_t>& lengths, int64_t n_tokens) const {
+    const at::Tensor table = cuda::on_device(page_table, device());
+    if (std::adjacent_find(lengths.begin(), lengths.end(), std::not_equal_to<int64_t>()) == lengths.end()) {
+      return cuda::gather_layer(*this, layer, cuda::table_ref(table), nullptr, lengths.empty() ? 0 : lengths.front(),
+                                n_tokens);
+    }
+    const at::Tensor lens = cuda::on_device(cuda::host_int64(lengths), device());
+    return cuda::gather_layer(*this, layer, cuda::table_ref(table), lens.data_ptr<int64_t>(), 0, n_tokens);
+  }
+
+  /// CacheView::write of a view bound for the CUDA kernels (start_pos
+  /// undefined: `scalar`): checked against bind's host snapshot; start
+  /// positions equal to the bound lengths' tail read the bound lengths on
+  /// the device (what a replayed CUDA graph needs), others are uploaded.
+  // cppcheck-suppress unusedPrivateFunction ; called by the friend CacheView
+  void write_bound(const CacheView<Layout>& view, int64_t layer, const at::Tensor& start_pos, int64_t scalar,
+                   const at::Tensor& k, const at::Tensor& v) {
+    if (!kernels::use_cuda_kernels(device())) {  // bound for the CUDA kernels, used without them
+      if (start_pos.defined()) return write(layer, view.page_table(), start_pos, k, v);
+      return write(layer, view.page_table(), scalar, k, v);
+    }
+    const cuda::BoundTables& b = *view.bound_tables();
+    const checks::Caller caller{"PagedCache", Layout::name, "write"};
+    const int64_t batch = b.host_table.size(0);
+    checks::layer(caller, layer, n_layers_);
+    checks::page_table(caller, b.host_table, device());
+    checks::key_values(caller, k, v, batch, geometry_, dtype(), device());
+    std::vector<int64_t> starts;
+    if (start_pos.defined()) {
+      if (!start_pos.device().is_cpu()) checks::not_capturing(caller, cuda::capturing(device()));
+      starts = checks::per_sequence(caller, "start_pos", start_pos, batch, device());
+    } else {
+      checks::non_negative(caller, "start_pos", scalar);
+      starts.assign(static_cast<size_t>(batch), scalar);
+    }
+    const int64_t n_tokens = k.size(1);
+    visit_page_table(b.host_table, [&](const auto& table) {
+      for (int64_t row = 0; row < table.rows; ++row) {
+        checks::write_range(caller, table, row, starts[static_cast<size_t>(row)], n_tokens, page_size(), pool_);
+      }
+      const PageDivisor pages(page_size());
+      checks::bound_view_current(caller, b, table, pool_, [&](int64_t row) {  // the pages it writes
+        const int64_t first = starts[static_cast<size_t>(row)];
+        if (n_tokens == 0) return std::make_pair(int64_t{0}, int64_t{0});
+        return std::make_pair(pages.column(first), pages.column(first + n_tokens - 1) + 1);
+      });
+    });
+    bool tail = start_pos.defined() && !b.host_lengths.empty();
+    for (int64_t row = 0; tail && row < batch; ++row) {
+      tail = starts[static_cast<size_t>(row)] + n_tokens == b.host_lengths[static_cast<size_t>(row)];
+    }
+    if (start_pos.defined() && !tail) checks::tail_in_capture(caller, cuda::capturing(device()), n_tokens);
+    // Validated: from here on nothing throws (but a device error).
+    cuda::Starts where;
+    at::Tensor uploaded;
+    if (!start_pos.defined()) {
+      where.scalar = scalar;  // a launch argument (baked into a captured graph)
+    } else if (tail) {
+      where.tail_lengths = b.device_lengths.data_ptr<int64_t>();
+    } else {
+      uploaded = cuda::on_device(cuda::host_int64(starts), device());
+      where.per_row = uploaded.data_ptr<int64_t>();
+    }
+    cuda::write_layer(*this, layer, cuda::table_ref(b.device_table), where, k, v);
+  }
+
+  /// CacheView::gather of a view bound for the CUDA kernels (the callers
+  /// and the checks as on the CPU path, against bind's host snapshot).
+  // cppcheck-suppress unusedPrivateFunction ; called by the friend CacheView
+  std::pair<at::Tensor, at::Tensor> gather_bound(const CacheView<Layout>& view, int64_t layer) const {
+    const bool prefix = view.total_len() > 0 && !view.lengths().defined();
+    if (!kernels::use_cuda_kernels(device())) {  // bound for the CUDA kernels, used without them
+      if (view.lengths().defined()) return gather(layer, view.page_table(), view.lengths());
+      if (prefix) return gather_prefix(layer, view.page_table(), view.total_len());
+      return gather(layer, view.page_table());
+    }
+    const cuda::BoundTables& b = *view.bound_tables();
+    const checks::Caller caller{prefix ? "CacheView" : "PagedCache", Layout::name, "gather"};
+    checks::layer(caller, layer, n_layers_);
+    checks::page_table(caller, b.host_table, device());
+    return visit_page_table(b.host_table, [&](const auto& table) {
+      if (view.lengths().defined()) {
+        checks::bound_view_current(caller, b, table, pool_, [&](int64_t row) {
+          return std::make_pair(int64_t{0}, (b.host_lengths[static_cast<size_t>(row)] + page_size() - 1) / page_size());
+        });
+        const int64_t n_tokens = b.host_lengths.empty() ? 0 : *std::max_element(b.host_lengths.begin(),
+                                                                                 b.host_lengths.end());
+        return cuda::gather_layer(*this, layer, cuda::table_ref(b.device_table), b.device_lengths.data_ptr<int64_t>(),
+                                  0, n_tokens);
+      }
+      const int64_t n_tokens = prefix ? view.total_len() : checks::mapped_columns(table) * page_size();
+      const int64_t cols = (n_tokens + page_size() - 1) / page_size();
+      checks::readable_columns(caller, table, cols, pool_);
+      checks::bound_view_current(caller, b, table, pool_, [cols](int64_t) { return std::make_pair(int64_t{0}, cols); });
+      return cuda::gather_layer(*this, layer, cuda::table_ref(b.device_table), nullptr, n_tokens, n_tokens);
+    });
   }
 
   /// Calls f(T{}) with the C++ type of the logical dtype (quantized caches: float32, float16, bfloat16).
@@ -459,6 +606,8 @@ class PagedCache {
   at::Tensor v_scales_;   // [n_layers, n_pages, page_size * n_kv_heads] float32; undefined for native V
   // Storage of the last CPU gather's outputs, reused once the caller drops them.
   std::shared_ptr<kernels::OutputRecycler> outputs_ = std::make_shared<kernels::OutputRecycler>();
+  // The device buffers of BindBuffers::per_shape binds, by shape.
+  std::shared_ptr<cuda::BindBufferSets> bind_buffers_ = std::make_shared<cuda::BindBufferSets>();
 };
 
 }  // namespace pagedkv
