@@ -126,25 +126,7 @@ at::Tensor paged_attention(const CacheView<Layout>& view, int64_t layer,
                                                                       cache.quant().k, layer);
     const attention_kernels::KVSide v = attention_kernels::layer_side(cache.v_cache(), cache.v_scales(),
                                                                       cache.quant().v, layer);
-    const at::Tensor qf = q.to(at::kFloat).mul(s).contiguous();  // [B, Sq, n_heads, D]
-    at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-    const int64_t n_heads = q.size(2);
-    const AnyPageTableRef any_table(table);  // the kernel is compiled once per dtype, not per index type
-    switch (dtype) {
-      case at::kHalf:
-        attention_kernels::paged_attention_cpu_impl(any_table, lengths, qf.data_ptr<float>(), out.data_ptr<c10::Half>(),
-                                                    k, v, g, n_queries, n_heads);
-        break;
-      case at::kBFloat16:
-        attention_kernels::paged_attention_cpu_impl(any_table, lengths, qf.data_ptr<float>(),
-                                                    out.data_ptr<c10::BFloat16>(), k, v, g, n_queries, n_heads);
-        break;
-      default:
-        attention_kernels::paged_attention_cpu_impl(any_table, lengths, qf.data_ptr<float>(), out.data_ptr<float>(), k,
-                                                    v, g, n_queries, n_heads);
-        break;
-    }
-    return out;
+    return attention_kernels::paged_attention_cpu(table, lengths, q, k, v, g, s);
   });
 }
 

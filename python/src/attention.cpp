@@ -57,26 +57,8 @@ at::Tensor attention_unchecked(const op_checks::Storage& s, int64_t layer, const
   }
   const attention_kernels::KVSide k = attention_kernels::layer_side(s.k, s.k_scales, s.quant.k, layer);
   const attention_kernels::KVSide v = attention_kernels::layer_side(s.v, s.v_scales, s.quant.v, layer);
-  const at::Tensor qf = q.to(at::kFloat).mul(sc).contiguous();  // [B, Sq, n_heads, D]
-  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
-  const int64_t n_heads = q.size(2);
   return pagedkv::visit_page_table(host_table, [&](const auto& table) {
-    const pagedkv::AnyPageTableRef any_table(table);
-    switch (q.scalar_type()) {
-      case at::kHalf:
-        attention_kernels::paged_attention_cpu_impl(any_table, lengths, qf.data_ptr<float>(), out.data_ptr<c10::Half>(),
-                                                    k, v, g, n_queries, n_heads);
-        break;
-      case at::kBFloat16:
-        attention_kernels::paged_attention_cpu_impl(any_table, lengths, qf.data_ptr<float>(),
-                                                    out.data_ptr<c10::BFloat16>(), k, v, g, n_queries, n_heads);
-        break;
-      default:
-        attention_kernels::paged_attention_cpu_impl(any_table, lengths, qf.data_ptr<float>(), out.data_ptr<float>(), k,
-                                                    v, g, n_queries, n_heads);
-        break;
-    }
-    return out;
+    return attention_kernels::paged_attention_cpu(table, lengths, q, k, v, g, sc);
   });
 }
 

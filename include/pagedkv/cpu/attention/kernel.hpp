@@ -535,5 +535,39 @@ void paged_attention_cpu_impl(const AnyPageTableRef& table,         // [B, max_p
   });
 }
 
+/// The CPU kernel on validated inputs: q ([B, Sq, n_heads, D], float32,
+/// float16 or bfloat16, any strides) scaled by `scale`, the output a new
+/// contiguous tensor of q's dtype. Both paged_attention (on a view) and the
+/// Python package's stateless op end here: one dtype switch over the three
+/// instances of paged_attention_cpu_impl, which take the table as an
+/// AnyPageTableRef so that they are compiled once per dtype, not per index
+/// type. A template, so that only a call instantiates those instances.
+template <class Table>
+at::Tensor paged_attention_cpu(const Table& typed_table,              // [B, max_pages]
+                               const std::vector<int64_t>& lengths,  // [B]
+                               const at::Tensor& q, const KVSide& k, const KVSide& v, const PageGeometry& g,
+                               double scale) {
+  const AnyPageTableRef table(typed_table);
+  const at::Tensor qf = q.to(at::kFloat).mul(scale).contiguous();  // [B, Sq, n_heads, D]
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t n_queries = q.size(1);
+  const int64_t n_heads = q.size(2);
+  switch (q.scalar_type()) {
+    case at::kHalf:
+      paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), out.data_ptr<c10::Half>(), k, v, g, n_queries,
+                               n_heads);
+      break;
+    case at::kBFloat16:
+      paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), k, v, g,
+                               n_queries, n_heads);
+      break;
+    default:
+      paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), out.data_ptr<float>(), k, v, g, n_queries,
+                               n_heads);
+      break;
+  }
+  return out;
+}
+
 }  // namespace attention_kernels
 }  // namespace pagedkv
