@@ -15,8 +15,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <cmath>
 #include <cstdint>
