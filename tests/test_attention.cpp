@@ -382,6 +382,41 @@ TEST_P(AttentionTest, LongContextsSplitAcrossThreadsMatch) {
   at::set_num_threads(previous);
 }
 
+// The decode path (cpu/attention/decode.hpp: one query, native pages,
+// head_dim a multiple of 16; AVX2) against the float64 reference where its
+// frame has edges: pages longer than a step (24 > kDecodeKeys), odd steps
+// (pages of 3 and 5 tokens), splits whose first token is inside a page (4
+// threads; a split is a multiple of 32 tokens), one kv head per item and
+// eight (NHD: every head of a token, read ahead as one run), groups of
+// 1 / 3 / 4 / 8 query heads; and head_dims it does not take (24, 40).
+TEST_P(AttentionTest, DecodeStepsMatchReferenceAcrossPagesAndSplits) {
+  const int previous = at::get_num_threads();
+  at::set_num_threads(4);
+  uint64_t seed = 700;
+  for (auto isa : isas_to_test()) {
+    const pagedkv::attention_kernels::ScopedIsa scoped_isa(isa);
+    for (at::ScalarType dtype : {at::kFloat, at::kHalf}) {
+      for (int64_t page_size : {3, 5, 16, 24}) {
+        for (int64_t head_dim : {16, 24, 40, 128}) {
+          for_each_layout([&](auto layout) {
+            using L = decltype(layout);
+            const int64_t kv_heads = seed % 2 == 0 ? 8 : 1;
+            const int64_t group = std::array<int64_t, 4>{1, 3, 4, 8}[seed % 4];
+            Filled<L> f({1, 19, 1100}, page_size, kv_heads, head_dim, opts(dtype), at::kLong, ++seed);
+            const at::Tensor q = at::randn({3, 1, kv_heads * group, head_dim}).to(opts(dtype));
+            const at::Tensor out = paged_attention(f.cache.bind(f.page_table, f.lengths), 1, q);
+            const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+            EXPECT_LT(rel_error(out, reference(q, f.k, f.v, scale)), tolerance(dtype))
+                << L::name << " " << dtype << " P=" << page_size << " D=" << head_dim << " H=" << kv_heads
+                << " G=" << group << " isa=" << pagedkv::attention_kernels::isa_name(isa);
+          });
+        }
+      }
+    }
+  }
+  at::set_num_threads(previous);
+}
+
 TEST_P(AttentionTest, PagedMatchesGatherThenAttentionInADecodeLoop) {
   for_each_layout([&](auto layout) {
     using L = decltype(layout);

@@ -125,15 +125,6 @@ struct Avx2 {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
 
- private:
-  /// `count` (< 8) elements as float32, zeros after (the tail of an odd head_dim).
-  template <class E>
-  PAGEDKV_TARGET_AVX2 static __m256 load_first(const E* p, int64_t count) noexcept {
-    alignas(32) float buffer[8] = {};
-    for (int64_t i = 0; i < count; ++i) buffer[i] = to_float32(p[i]);
-    return _mm256_load_ps(buffer);
-  }
-
   /// v, kept in a register. g++ otherwise folds a load that several FMAs
   /// use into each of them as a memory operand: the score loop then loaded
   /// each query vector once per key, 10 loads per 8 FMAs, and waited on the
@@ -141,12 +132,6 @@ struct Avx2 {
   PAGEDKV_TARGET_AVX2 static __m256 in_register(__m256 v) noexcept {
     __asm__("" : "+x"(v));
     return v;
-  }
-
-  /// [sum(s0), sum(s1), sum(s2), sum(s3)].
-  PAGEDKV_TARGET_AVX2 static __m128 sum4(__m256 s0, __m256 s1, __m256 s2, __m256 s3) noexcept {
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   }
 
   /// exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp; inputs below -87
@@ -166,6 +151,21 @@ struct Avx2 {
     p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
     const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+  }
+
+ private:
+  /// `count` (< 8) elements as float32, zeros after (the tail of an odd head_dim).
+  template <class E>
+  PAGEDKV_TARGET_AVX2 static __m256 load_first(const E* p, int64_t count) noexcept {
+    alignas(32) float buffer[8] = {};
+    for (int64_t i = 0; i < count; ++i) buffer[i] = to_float32(p[i]);
+    return _mm256_load_ps(buffer);
+  }
+
+  /// [sum(s0), sum(s1), sum(s2), sum(s3)].
+  PAGEDKV_TARGET_AVX2 static __m128 sum4(__m256 s0, __m256 s1, __m256 s2, __m256 s3) noexcept {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   }
 
   /// Scores of R rows against K keys starting at keys[0]: R x K independent

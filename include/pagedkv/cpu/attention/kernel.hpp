@@ -8,7 +8,8 @@
 // by chunk, every head of a chunk in a row, so that memory is read a few KiB
 // at a time in order (PieceOrder, cpu/attention/prefetch.hpp). Work items come from
 // cpu/attention/plan.hpp; the arithmetic from the instruction set
-// simd/isa.hpp selects.
+// simd/isa.hpp selects. Decode on native pages with AVX2 takes its own item
+// loop instead (cpu/attention/decode.hpp).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "pagedkv/cpu/attention/decode.hpp"
 #include "pagedkv/cpu/attention/plan.hpp"
 #include "pagedkv/cpu/attention/prefetch.hpp"
 #include "pagedkv/cpu/write_gather.hpp"
@@ -291,6 +293,34 @@ inline void multiply_by(float* __restrict x,             // [n]
   for (int64_t j = 0; j < n; ++j) x[j] *= factor[j];
 }
 
+/// A finished work item's rows: the output (acc / sum), or its split's
+/// partial result (max, sum, acc). Row r = ((s - s0) * nh + h) * G + i is
+/// query head (h0 + h) * G + i of query s.
+template <class T>
+void write_rows(const Problem<T>& pr, const Work& w,
+                const float* acc_all,  // [rows, D]
+                const float* max,      // [rows]
+                const float* sum) {    // [rows]
+  const int64_t D = pr.g.head_dim;
+  const int64_t G = pr.group;
+  for (int64_t s = w.s0; s < w.s1; ++s) {
+    for (int64_t h = 0; h < w.nh; ++h) {
+      for (int64_t i = 0; i < G; ++i) {
+        const int64_t r = ((s - w.s0) * w.nh + h) * G + i;
+        const float* acc = acc_all + r * D;
+        if (w.partial < 0) {
+          store_row(pr.out + ((w.b * pr.n_queries + s) * pr.n_heads + (w.h0 + h) * G + i) * D, acc, sum[r], D);
+        } else {
+          float* dst = pr.partials + (w.partial + r) * (D + 2);
+          dst[0] = max[r];
+          dst[1] = sum[r];
+          std::copy(acc, acc + D, dst + 2);
+        }
+      }
+    }
+  }
+}
+
 /// One work item: online softmax over keys [t0, t1), float32 state per row.
 /// Row r = ((s - s0) * nh + h) * G + i is query head (h0 + h) * G + i of query s.
 /// On a quantized side the rows hold codes: the K scale multiplies the
@@ -410,28 +440,23 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
     std::swap(block, next);
   }
 
-  for (int64_t s = w.s0; s < w.s1; ++s) {
-    for (int64_t h = 0; h < w.nh; ++h) {
-      for (int64_t i = 0; i < G; ++i) {
-        const int64_t r = ((s - w.s0) * w.nh + h) * G + i;
-        const float* acc = acc_all + r * D;
-        if (w.partial < 0) {
-          store_row(pr.out + ((w.b * pr.n_queries + s) * pr.n_heads + (w.h0 + h) * G + i) * D, acc, sum[r], D);
-        } else {
-          float* dst = pr.partials + (w.partial + r) * (D + 2);
-          dst[0] = max[r];
-          dst[1] = sum[r];
-          std::copy(acc, acc + D, dst + 2);
-        }
-      }
-    }
-  }
+  write_rows(pr, w, acc_all, max, sum);
 }
 
 /// Work items [begin, end) on the calling thread, with its scratch.
 template <class Ops, bool kCopies, class T>
 void run_items_reading(const Problem<T>& pr, const Plan& p, int64_t begin, int64_t end) {
   auto& sc = Scratch::local(p.max_rows, p.heads, pr.g.head_dim, kCopies);
+  if constexpr (!kCopies && DecodeStepOf<Ops>::kAvailable) {
+    if (takes_decode_path(pr)) {
+      for (int64_t i = begin; i < end; ++i) {
+        const Work& w = p.work[static_cast<size_t>(i)];
+        decode_item<Ops, T>(pr, w, sc.acc.data(), sc.max.data(), sc.sum.data());
+        write_rows(pr, w, sc.acc.data(), sc.max.data(), sc.sum.data());
+      }
+      return;
+    }
+  }
   for (int64_t i = begin; i < end; ++i) run_item<Ops, kCopies>(pr, p.work[static_cast<size_t>(i)], sc);
 }
 

@@ -51,6 +51,48 @@ inline void prefetch_rows(const void* const* rows,  // [n]
   for (int64_t j = 0; j < n; ++j) prefetch_bytes(rows[j], bytes);
 }
 
+/// Bytes to read ahead a few lines at a time, spread over a piece of work:
+/// `rows` runs of `row_lines` lines, `row_stride` bytes apart (one run
+/// where the bytes are contiguous).
+class LinesAhead {
+ public:
+  LinesAhead() = default;
+
+  /// The lines that hold [first, first + bytes) of each of `rows` runs.
+  LinesAhead(const void* first, int64_t bytes, int64_t rows, int64_t row_stride) noexcept
+      : row_(static_cast<const char*>(first) - offset_in_line(first)),
+        row_lines_((offset_in_line(first) + bytes + kLine - 1) / kLine),
+        row_stride_(row_stride),
+        rows_(bytes > 0 ? rows : 0) {}
+
+  /// Asks for the next `count` lines (fewer at the end).
+  void next(int64_t count) noexcept {
+    for (; count > 0 && rows_ > 0; --count) {
+      prefetch_line(row_ + line_ * kLine);
+      if (++line_ == row_lines_) {
+        line_ = 0;
+        row_ += row_stride_;
+        --rows_;
+      }
+    }
+  }
+
+  /// Asks for every line left.
+  void rest() noexcept { next(rows_ * row_lines_); }
+
+ private:
+  static constexpr int64_t kLine = 64;
+  static int64_t offset_in_line(const void* address) noexcept {
+    return static_cast<int64_t>(reinterpret_cast<uintptr_t>(address) % static_cast<uintptr_t>(kLine));
+  }
+
+  const char* row_ = nullptr;
+  int64_t row_lines_ = 0;
+  int64_t row_stride_ = 0;
+  int64_t rows_ = 0;
+  int64_t line_ = 0;
+};
+
 /// The order in which the kernel reads one side of a key block, a piece
 /// (one head's rows [j0, j0 + chunk)) at a time: head by head, each head's
 /// chunks in a row, or (token_major) chunk by chunk, every head of a chunk

@@ -1,0 +1,132 @@
+// The decode path of the CPU attention kernel: one query per sequence
+// (n_queries == 1), native pages on both sides, head_dim a multiple of 16,
+// on an instruction set with a decode step (AVX2: decode_avx2.hpp). A work
+// item's keys are read page by page and, in a page, kv head by kv head,
+// kDecodeKeys tokens per step: each step scores its keys against the head's
+// GQA group, updates the group's softmax and adds the values, straight from
+// the page (a head's token vectors are a fixed stride apart in either
+// layout, so no per-token row pointers are built). The next page of the
+// item is read ahead while this one is worked on, a page ahead and spread
+// over its steps. Every other call (prefill, quantized pages, the portable
+// and AVX-512 paths) takes the general item loop in kernel.hpp.
+// bench/NOTES.md, "A decode path for AVX2", has what it gained and why.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "pagedkv/cpu/attention/decode_avx2.hpp"
+#include "pagedkv/cpu/attention/plan.hpp"
+#include "pagedkv/cpu/attention/prefetch.hpp"
+#include "pagedkv/simd/isa.hpp"
+
+namespace pagedkv {
+namespace attention_kernels {
+
+/// The decode step of an instruction set's Ops (none: the general loop).
+template <class Ops>
+struct DecodeStepOf {
+  static constexpr bool kAvailable = false;
+};
+
+#ifdef PAGEDKV_ATTENTION_AVX2
+template <>
+struct DecodeStepOf<Avx2> {
+  static constexpr bool kAvailable = true;
+  using Kernel = Avx2Decode;
+};
+#endif
+
+/// Whether problem `pr` (a Problem<T>, kernel.hpp) takes the decode path,
+/// on an Ops whose DecodeStepOf is available.
+template <class Pr>
+bool takes_decode_path(const Pr& pr) noexcept {
+  return pr.n_queries == 1 && !pr.k.quantized() && !pr.v.quantized() && pr.g.head_dim % 16 == 0;
+}
+
+/// One work item on the decode path: acc, max and sum of its rows (row
+/// h * G + i is query head (h0 + h) * G + i) over keys [t0, t1), for
+/// kernel.hpp to write out. T: the pages' element type.
+template <class Ops, class T, class Pr>
+void decode_item(const Pr& pr, const Work& w,
+                 float* acc_all,  // [nh * G, D]
+                 float* max,      // [nh * G]
+                 float* sum) {    // [nh * G]
+  using Step = typename DecodeStepOf<Ops>::Kernel;
+  const PageGeometry& g = pr.g;
+  const int64_t D = g.head_dim;
+  const int64_t G = pr.group;
+  const int64_t rows = w.nh * G;
+  std::fill(max, max + rows, -std::numeric_limits<float>::infinity());
+  std::fill(sum, sum + rows, 0.0f);
+  std::fill(acc_all, acc_all + rows * D, 0.0f);
+
+  const char* k_pages = pr.k.pages;  // [n_pages, page_elems] of T
+  const char* v_pages = pr.v.pages;  // [n_pages, page_elems] of T
+  constexpr auto kElem = static_cast<int64_t>(sizeof(T));
+  const int64_t page_bytes = g.page_elems * kElem;
+  const float* q_item = pr.q + ((w.b * pr.n_queries + w.s0) * pr.n_heads + w.h0 * G) * D;  // [nh * G, D]
+  const bool read_ahead = prefetches_side(g, kElem);
+  // A token's vectors of every head of the item lie in one run (NHD pages,
+  // all heads): read ahead in memory order, 1 / nh of it per head.
+  const bool whole_tokens = g.heads_adjacent() && w.nh == g.n_heads;
+  // Causal: the query (at position lengths[b] - 1) sees every key before it.
+  const int64_t t_end = std::min(w.t1, pr.lengths[w.b] - pr.n_queries + w.s0 + 1);
+
+  for (int64_t t = w.t0; t < t_end;) {
+    const int64_t column = t / g.page_size;
+    const int64_t in_page = t % g.page_size;
+    const int64_t run = std::min(t_end - t, g.page_size - in_page);
+    const int64_t page = pr.table(w.b, column);
+    // The item's next page, read ahead: its first tokens, as many as this run.
+    const int64_t n_next = read_ahead ? std::min(run, t_end - (t + run)) : 0;
+    const int64_t next_page = n_next > 0 ? pr.table(w.b, column + 1) : 0;
+    for (int64_t j0 = 0; j0 < run; j0 += kDecodeKeys) {
+      const int64_t n = std::min(kDecodeKeys, run - j0);
+      const int64_t n_ahead = std::max<int64_t>(0, std::min(n, n_next - j0));
+      for (int64_t h = 0; h < w.nh; ++h) {
+        const int64_t offset = g.offset(in_page + j0, w.h0 + h) * kElem;  // bytes into the page
+        // What this head's step reads ahead of the next page, per side.
+        const auto ahead = [&](const char* pages) {
+          const char* next = pages + next_page * page_bytes;
+          if (n_ahead == 0) return LinesAhead();
+          if (whole_tokens) {
+            const int64_t bytes = n_ahead * g.token_stride * kElem;
+            const int64_t first = bytes * h / w.nh;
+            return LinesAhead(next + g.offset(j0, 0) * kElem + first, bytes * (h + 1) / w.nh - first, 1, 0);
+          }
+          return LinesAhead(next + g.offset(j0, w.h0 + h) * kElem, D * kElem, n_ahead, g.token_stride * kElem);
+        };
+        const LinesAhead ahead_keys = ahead(k_pages);
+        const LinesAhead ahead_values = ahead(v_pages);
+        for (int64_t i0 = 0; i0 < G; i0 += Step::kRows) {
+          const int64_t r0 = h * G + i0;
+          const bool first = i0 == 0;  // the group's first rows read ahead for all of them
+          const typename Step::template Operands<T> st{
+              q_item + r0 * D,
+              reinterpret_cast<const T*>(k_pages + page * page_bytes + offset),
+              reinterpret_cast<const T*>(v_pages + page * page_bytes + offset),
+              g.token_stride,
+              n,
+              D,
+              max + r0,
+              sum + r0,
+              acc_all + r0 * D,
+              first ? ahead_keys : LinesAhead(),
+              first ? ahead_values : LinesAhead()};
+          switch (std::min<int64_t>(Step::kRows, G - i0)) {
+            case 4: Step::template run<4>(st); break;
+            case 3: Step::template run<3>(st); break;
+            case 2: Step::template run<2>(st); break;
+            default: Step::template run<1>(st); break;
+          }
+        }
+      }
+    }
+    t += run;
+  }
+}
+
+}  // namespace attention_kernels
+}  // namespace pagedkv
