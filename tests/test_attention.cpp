@@ -389,7 +389,10 @@ TEST_P(AttentionTest, LongContextsSplitAcrossThreadsMatch) {
 // threads; a split is a multiple of 32 tokens), one kv head per item and
 // eight (NHD: every head of a token, read ahead as one run), groups of
 // 1 / 3 / 4 / 8 query heads; and head_dims it does not take (24, 40).
+// Not on the ATen fallback (cpu_generic), which has no such path: 9 s there
+// (37 s under the sanitizers) for nothing the other cases do not check.
 TEST_P(AttentionTest, DecodeStepsMatchReferenceAcrossPagesAndSplits) {
+  if (GetParam().backend == pagedkv::Backend::generic) GTEST_SKIP() << "the decode path is the CPU kernel's";
   const int previous = at::get_num_threads();
   at::set_num_threads(4);
   uint64_t seed = 700;
