@@ -420,6 +420,43 @@ TEST_P(AttentionTest, DecodeStepsMatchReferenceAcrossPagesAndSplits) {
   at::set_num_threads(previous);
 }
 
+// Every step length of the decode path, 1 to 16 keys (the sequences'
+// last, partial pages: lengths 17 to 32 on pages of 16): the step scores
+// keys three at a time, then none, one or two pairs, and an odd length
+// copies its last key's scores for the softmax's pairs. Every native page
+// type (their loads differ), groups of 3 and 4 rows. One thread: every
+// sequence is one work item, so each step is a page's run, not a split's.
+TEST_P(AttentionTest, DecodeStepsOfEveryLength) {
+  if (GetParam().backend == pagedkv::Backend::generic) GTEST_SKIP() << "the decode path is the CPU kernel's";
+  const int previous = at::get_num_threads();
+  at::set_num_threads(1);
+  std::vector<int64_t> lengths;
+  for (int64_t n = 17; n <= 32; ++n) lengths.push_back(n);
+  uint64_t seed = 900;
+  for (auto isa : isas_to_test()) {
+    const pagedkv::attention_kernels::ScopedIsa scoped_isa(isa);
+    for (at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+      for (int64_t group : {3, 4}) {
+        for_each_layout([&](auto layout) {
+          using L = decltype(layout);
+          const int64_t kv_heads = 2, head_dim = 32;
+          Filled<L> f(lengths, 16, kv_heads, head_dim, opts(dtype), at::kLong, ++seed);
+          const at::Tensor q = at::randn({static_cast<int64_t>(lengths.size()), 1, kv_heads * group, head_dim}).to(opts(dtype));
+          const at::Tensor out = paged_attention(f.cache.bind(f.page_table, f.lengths), 1, q);
+          const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+          const at::Tensor expected = reference(q, f.k, f.v, scale);
+          for (int64_t b = 0; b < static_cast<int64_t>(lengths.size()); ++b) {
+            EXPECT_LT(rel_error(out[b], expected[b]), tolerance(dtype))
+                << L::name << " " << dtype << " G=" << group << " last step of " << lengths[static_cast<size_t>(b)] - 16
+                << " keys, isa=" << pagedkv::attention_kernels::isa_name(isa);
+          }
+        });
+      }
+    }
+  }
+  at::set_num_threads(previous);
+}
+
 TEST_P(AttentionTest, PagedMatchesGatherThenAttentionInADecodeLoop) {
   for_each_layout([&](auto layout) {
     using L = decltype(layout);

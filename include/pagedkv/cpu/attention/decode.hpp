@@ -126,6 +126,8 @@ void decode_item(const Pr& pr, const Work& w,
     }
     t += run;
   }
+  // Steps on bf16 pages add the values in a permuted lane order (ValueLanes).
+  if constexpr (Step::template kPermutesAccumulators<T>) Step::template restore_accumulators<T>(acc_all, rows * D);
 }
 
 }  // namespace attention_kernels

@@ -5,7 +5,8 @@
 // key-major, [key, 4 rows], so that the softmax of all R rows runs in the
 // same vectors, two keys per 8 lanes; the general kernel (kernel.hpp) keeps
 // them row-major and ran max, exp and sum once per row.
-// bench/NOTES.md, "A decode path for AVX2", has what this gained.
+// bench/NOTES.md, "A decode path for AVX2" and "Three keys per score
+// pass", has what this gained.
 #pragma once
 
 #include "pagedkv/simd/isa_avx2.hpp"
@@ -26,6 +27,51 @@ namespace attention_kernels {
 /// is updated once per step.
 constexpr int64_t kDecodeKeys = 16;
 
+/// How a decode step loads elements [d, d + 16) of a value vector: as two
+/// 8-lane halves, in order (fp32, fp16: half H holds d + 8H .. d + 8H + 7).
+template <class E>
+struct ValueLanes {
+  /// Whether the halves hold the 16 elements out of order, so that the
+  /// accumulators are kept in that order too (restore).
+  static constexpr bool kPermuted = false;
+
+  template <int H>
+  PAGEDKV_TARGET_AVX2 static __m256 half(const E* p) noexcept {
+    return Avx2::load8(p + 8 * H);
+  }
+};
+
+/// bf16: one 32-byte load, each half's elements moved into the high 16
+/// bits of its lanes by an unpack with zero: one instruction per 8 floats
+/// against two for the in-order widening (vpmovzxwd, vpslld), which made
+/// the values of a bf16 step ~15 % slower than fp16 ones on Zen 3
+/// (bench/NOTES.md, "Three keys per score pass"). Unpacks stay within
+/// 128-bit halves, so half 0 holds elements 0-3 and 8-11 of the 16, half 1
+/// elements 4-7 and 12-15. (Scores keep the in-order load: a zero vector's
+/// register is one more than a three-key pass has.)
+template <>
+struct ValueLanes<c10::BFloat16> {
+  static constexpr bool kPermuted = true;
+
+  template <int H>
+  PAGEDKV_TARGET_AVX2 static __m256 half(const c10::BFloat16* p) noexcept {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i zero = _mm256_setzero_si256();
+    return _mm256_castsi256_ps(H == 0 ? _mm256_unpacklo_epi16(zero, bits) : _mm256_unpackhi_epi16(zero, bits));
+  }
+
+  /// The accumulators `acc` (n floats, a multiple of 16) from half()'s
+  /// order back in order: elements 4-7 and 8-11 of every 16 swapped.
+  PAGEDKV_TARGET_AVX2 static void restore(float* acc, int64_t n) noexcept {
+    for (int64_t i = 0; i < n; i += 16) {
+      const __m256 a = _mm256_loadu_ps(acc + i);
+      const __m256 b = _mm256_loadu_ps(acc + i + 8);
+      _mm256_storeu_ps(acc + i, _mm256_permute2f128_ps(a, b, 0x20));
+      _mm256_storeu_ps(acc + i + 8, _mm256_permute2f128_ps(a, b, 0x31));
+    }
+  }
+};
+
 struct Avx2Decode {
   /// Rows of a step's score buffer: the query rows of one GQA group that
   /// share each key load.
@@ -42,15 +88,28 @@ struct Avx2Decode {
     int64_t head_dim;       // D, a multiple of 16
     float* max;             // [R]: running maximum score
     float* sum;             // [R]: running sum of exp(score - max)
-    float* acc;             // [R, D]: running sum of exp(score - max) * value
+    float* acc;             // [R, D]: running sum of exp(score - max) * value, in E's lane order
     LinesAhead ahead_keys;    // read ahead while scoring (the next page's)
     LinesAhead ahead_values;  // read ahead while adding the values
   };
 
-  /// Lines read ahead per pair of keys scored and per 16 columns of values
-  /// added (the rest after the last): a page of 16 fp16 tokens x 128 is 64
-  /// lines per side and head, 8 pairs and 8 column chunks.
-  static constexpr int64_t kAheadLinesPerPiece = 8;
+  /// Lines read ahead per key scored and per 16 columns of values added
+  /// (the rest after the last): a page of 16 fp16 tokens x 128 is 64 lines
+  /// per side and head, 16 keys and 8 column chunks.
+  static constexpr int64_t kAheadLinesPerKey = 4;
+  static constexpr int64_t kAheadLinesPerColumns = 8;
+
+  /// Whether steps on E's pages keep the accumulators in ValueLanes<E>'s
+  /// permuted order; the item loop then restores their order after its
+  /// last step (restore_accumulators).
+  template <class E>
+  static constexpr bool kPermutesAccumulators = ValueLanes<E>::kPermuted;
+
+  /// The item's accumulators (n floats) from E's lane order back in order.
+  template <class E>
+  PAGEDKV_TARGET_AVX2 static void restore_accumulators(float* acc, int64_t n) noexcept {
+    ValueLanes<E>::restore(acc, n);
+  }
 
   /// Scores, softmax update and values of one step (R in 1..4).
   /// Not inlined: a call per step costs nothing measurable, and compiled
@@ -65,41 +124,95 @@ struct Avx2Decode {
   }
 
  private:
-  /// scores[j * 4 + r] = q[r] . key j for j < n, two keys at a time: 2 x R
-  /// FMA chains over D, then one vector of both keys' sums (an odd n scores
-  /// its last key twice). kAheadLinesPerPiece lines of the next page are
-  /// asked for per pair, so that its keys arrive spread over this step.
+  /// scores[j * 4 + r] = q[r] . key j for j < n. Three keys at a time
+  /// where it can: 3 x R FMA chains (12 at R = 4, with the three keys and
+  /// one query vector: all 16 registers) keep both FMA pipes busy, while
+  /// the 2 x R chains of a pair wait on the FMA latency for a quarter of
+  /// the time (bench/NOTES.md, "Three keys per score pass"). The rest of n
+  /// goes in pairs: none, one, or two (n = 3t + 4), and n = 1 scores its
+  /// key twice. An odd n's slot n gets a copy of the last key's scores: the
+  /// softmax reads the keys in pairs and zeroes that copy's weight. Lines
+  /// of the next page
+  /// are asked for as the keys are scored, kAheadLinesPerKey per key, so
+  /// that its keys arrive spread over this step.
   template <int R, class E>
   PAGEDKV_TARGET_AVX2 static void score(const Operands<E>& st, float* scores) noexcept {
-    const int64_t D = st.head_dim;
     const int64_t n = st.n;
-    const int64_t stride = st.stride;
-    const float* const q = st.q;
+    const int64_t pairs = n == 1 ? 1 : (2 * n) % 3;  // n % 3 == 0, 2, 1 -> 0, 1, 2 pairs
+    const int64_t threes_end = std::max<int64_t>(0, n - 2 * pairs);
     LinesAhead ahead = st.ahead_keys;
-    for (int64_t j = 0; j < n; j += 2) {
-      ahead.next(kAheadLinesPerPiece);
-      const E* k0 = st.keys + j * stride;
-      const E* k1 = j + 1 < n ? k0 + stride : k0;
-      __m256 a[kRows], b[kRows];
-      for (int r = 0; r < kRows; ++r) a[r] = b[r] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        __m256 q_d[R];
-        for (int r = 0; r < R; ++r) q_d[r] = Avx2::in_register(_mm256_loadu_ps(q + r * D + d));
-        const __m256 x0 = Avx2::load8(k0 + d);
-        const __m256 x1 = Avx2::load8(k1 + d);
-        for (int r = 0; r < R; ++r) {
-          a[r] = _mm256_fmadd_ps(x0, q_d[r], a[r]);
-          b[r] = _mm256_fmadd_ps(x1, q_d[r], b[r]);
-        }
-      }
-      // Lanes [r] of each 128-bit half: row r's partial sums of key 0 (x),
-      // key 1 (y); the halves' sum is the score.
-      const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-      const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(b[0], b[1]), _mm256_hadd_ps(b[2], b[3]));
-      _mm256_store_ps(scores + j * kRows,
-                      _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31)));
+    int64_t j = 0;
+    for (; j < threes_end; j += 3) {
+      ahead.next(3 * kAheadLinesPerKey);
+      score_three<R>(st, j, scores + j * kRows);
+    }
+    for (; j < n; j += 2) {
+      ahead.next(2 * kAheadLinesPerKey);
+      score_pair<R>(st, j, scores + j * kRows);
     }
     ahead.rest();
+    if ((n & 1) != 0) _mm_store_ps(scores + n * kRows, _mm_load_ps(scores + (n - 1) * kRows));
+  }
+
+  /// Keys j, j + 1, j + 2: 3 x R chains over D; out[k * 4 + r] = score of
+  /// key j + k against row r.
+  template <int R, class E>
+  PAGEDKV_TARGET_AVX2 static void score_three(const Operands<E>& st, int64_t j, float* out) noexcept {
+    const int64_t D = st.head_dim;
+    const float* const q = st.q;
+    const E* const k0 = st.keys + j * st.stride;
+    const E* const k1 = k0 + st.stride;
+    const E* const k2 = k1 + st.stride;
+    __m256 a[kRows], b[kRows], c[kRows];
+    for (int r = 0; r < kRows; ++r) a[r] = b[r] = c[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 x0 = Avx2::load8(k0 + d);
+      const __m256 x1 = Avx2::load8(k1 + d);
+      const __m256 x2 = Avx2::load8(k2 + d);
+      for (int r = 0; r < R; ++r) {
+        const __m256 q_d = _mm256_loadu_ps(q + r * D + d);
+        a[r] = _mm256_fmadd_ps(x0, q_d, a[r]);
+        b[r] = _mm256_fmadd_ps(x1, q_d, b[r]);
+        c[r] = _mm256_fmadd_ps(x2, q_d, c[r]);
+      }
+    }
+    _mm_store_ps(out, sum_rows(a));
+    _mm_store_ps(out + kRows, sum_rows(b));
+    _mm_store_ps(out + 2 * kRows, sum_rows(c));
+  }
+
+  /// Keys j and j + 1 (j itself when j + 1 == n): as score_three, 2 x R
+  /// chains.
+  template <int R, class E>
+  PAGEDKV_TARGET_AVX2 static void score_pair(const Operands<E>& st, int64_t j, float* out) noexcept {
+    const int64_t D = st.head_dim;
+    const float* const q = st.q;
+    const E* const k0 = st.keys + j * st.stride;
+    const E* const k1 = j + 1 < st.n ? k0 + st.stride : k0;
+    __m256 a[kRows], b[kRows];
+    for (int r = 0; r < kRows; ++r) a[r] = b[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 q_d[R];
+      for (int r = 0; r < R; ++r) q_d[r] = Avx2::in_register(_mm256_loadu_ps(q + r * D + d));
+      const __m256 x0 = Avx2::load8(k0 + d);
+      const __m256 x1 = Avx2::load8(k1 + d);
+      for (int r = 0; r < R; ++r) {
+        a[r] = _mm256_fmadd_ps(x0, q_d[r], a[r]);
+        b[r] = _mm256_fmadd_ps(x1, q_d[r], b[r]);
+      }
+    }
+    _mm_store_ps(out, sum_rows(a));
+    _mm_store_ps(out + kRows, sum_rows(b));
+  }
+
+  /// [sum of v[0], ..., sum of v[3]]: the four rows' dot products of one
+  /// key, reduced with unpacks and shuffles: beside FMAs on Zen 3 each
+  /// costs ~0.1 cycle, a vhaddps ~0.7 and a vperm2f128 ~0.5 (bench/NOTES.md).
+  PAGEDKV_TARGET_AVX2 static __m128 sum_rows(const __m256 (&v)[kRows]) noexcept {
+    const __m256 s01 = _mm256_add_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
+    const __m256 s23 = _mm256_add_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
+    const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(s01, s23, 0x44), _mm256_shuffle_ps(s01, s23, 0xEE));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   }
 
   /// The online softmax over the step's keys, every row at once: new
@@ -110,11 +223,11 @@ struct Avx2Decode {
     const int64_t n = st.n;
     const int64_t pairs = (n + 1) / 2;
     const bool odd = (n & 1) != 0;
-    // An odd n's last vector holds its last key twice (score): harmless to
-    // the maximum, and its copy's weight is zeroed below.
-    __m256 m = _mm256_load_ps(scores);
-    for (int64_t p = 1; p < pairs; ++p) m = _mm256_max_ps(m, _mm256_load_ps(scores + p * 8));
-    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));  // row r's maximum in lanes r and r + 4
+    // Scores are read as score() stored them, 4 floats (one key) at a time:
+    // an 8-float load across two such stores is not forwarded from them and
+    // waits for both to reach the cache.
+    __m128 m = _mm_load_ps(scores);
+    for (int64_t j = 1; j < n; ++j) m = _mm_max_ps(m, _mm_load_ps(scores + j * kRows));
 
     alignas(16) float state[2][kRows] = {};  // old maxima, old sums (rows >= R: unused)
     for (int r = 0; r < R; ++r) {
@@ -122,7 +235,7 @@ struct Avx2Decode {
       state[1][r] = st.sum[r];
     }
     const __m128 old_max = _mm_load_ps(state[0]);
-    const __m128 new_max = _mm_max_ps(old_max, _mm256_castps256_ps128(m));
+    const __m128 new_max = _mm_max_ps(old_max, m);
     // exp(old - new): 1 where the maximum stayed, 0-ish (1e-38) on the first
     // step, where old is -inf and sum and acc are 0.
     const __m128 correction =
@@ -130,8 +243,10 @@ struct Avx2Decode {
     const __m256 shift = _mm256_set_m128(new_max, new_max);
     __m256 total = _mm256_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
-      __m256 e = Avx2::exp_non_positive(_mm256_sub_ps(_mm256_load_ps(scores + p * 8), shift));
-      if (odd && p == pairs - 1) e = _mm256_blend_ps(e, _mm256_setzero_ps(), 0xF0);  // the copy
+      const __m256 two_keys =
+          _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(scores + p * 8)), _mm_load_ps(scores + p * 8 + 4), 1);
+      __m256 e = Avx2::exp_non_positive(_mm256_sub_ps(two_keys, shift));
+      if (odd && p == pairs - 1) e = _mm256_blend_ps(e, _mm256_setzero_ps(), 0xF0);  // an odd n's copy of its last key
       _mm256_store_ps(scores + p * 8, e);
       total = _mm256_add_ps(total, e);
     }
@@ -157,7 +272,7 @@ struct Avx2Decode {
     float* const acc = st.acc;
     LinesAhead ahead = st.ahead_values;
     for (int64_t d = 0; d < D; d += 16) {
-      ahead.next(kAheadLinesPerPiece);
+      ahead.next(kAheadLinesPerColumns);
       __m256 a[R], b[R];
       for (int r = 0; r < R; ++r) {
         a[r] = _mm256_loadu_ps(acc + r * D + d);
@@ -165,8 +280,8 @@ struct Avx2Decode {
       }
       const E* v = st.values + d;
       for (int64_t j = 0; j < n; ++j, v += stride) {
-        const __m256 v0 = Avx2::load8(v);
-        const __m256 v1 = Avx2::load8(v + 8);
+        const __m256 v0 = ValueLanes<E>::template half<0>(v);
+        const __m256 v1 = ValueLanes<E>::template half<1>(v);
         for (int r = 0; r < R; ++r) {
           const __m256 w = _mm256_broadcast_ss(weights + j * kRows + r);
           a[r] = _mm256_fmadd_ps(w, v0, a[r]);
