@@ -19,6 +19,28 @@ static_assert(std::is_nothrow_move_constructible<PagedCache<NHD>>::value, "Paged
 
 class PagedCacheTest : public TargetTest {};
 
+// CPU storage of 2 MiB or more starts at a 2 MiB boundary (cpu/storage.hpp):
+// torch's allocator alone left it 64 bytes past a 4 KiB boundary, so every
+// page straddled one. Still zeroed, contiguous, and a cache like any other.
+TEST(PagedCacheStorage, LargeCpuStorageStartsAtATwoMiBBoundary) {
+  PagedCache<HND> cache(2, 64, 16, 8, 128, at::TensorOptions().dtype(at::kHalf));  // 2 MiB per layer and side
+  for (const at::Tensor* t : {&cache.k_cache(), &cache.v_cache()}) {
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(t->data_ptr()) % (uintptr_t{2} << 20), 0u);
+    EXPECT_TRUE(t->is_contiguous());
+    EXPECT_EQ(t->sizes(), (std::vector<int64_t>{2, 64, 8, 16, 128}));
+    EXPECT_EQ(at::count_nonzero(*t).item<int64_t>(), 0);
+  }
+  const auto pages = cache.alloc_n(2);
+  const at::Tensor pt = at::tensor(std::vector<int64_t>{pages[0], pages[1]}, at::kLong).view({1, 2});
+  const at::Tensor k = at::randn({1, 20, 8, 128}).to(at::kHalf);
+  const at::Tensor v = at::randn({1, 20, 8, 128}).to(at::kHalf);
+  cache.write(1, pt, 0, k, v);
+  const auto kv = cache.gather(1, pt, at::tensor(std::vector<int64_t>{20}, at::kLong));
+  EXPECT_TRUE(at::equal(kv.first.slice(1, 0, 20), k));
+  EXPECT_TRUE(at::equal(kv.second.slice(1, 0, 20), v));
+  cache.check();
+}
+
 TEST_P(PagedCacheTest, StorageShapeFollowsTheLayout) {
   PagedCache<NHD> nhd(2, 5, 3, 4, 8, opts());
   EXPECT_EQ(nhd.k_cache().sizes(), (std::vector<int64_t>{2, 5, 3, 4, 8}));

@@ -72,23 +72,31 @@ class OutputRecycler {
   std::array<c10::Storage, kSlots> cached_;
 };
 
-/// A zeroed tensor for a cache's K or V storage. On Linux, CPU storage is
-/// advised to use transparent huge pages before its first touch: the kernels
-/// hop between pages far apart, and with 4 KiB pages every hop is a TLB miss
-/// (a nested page walk under a hypervisor). Only a hint: the storage is
-/// zeroed whole anyway, so it costs no memory.
+/// A zeroed tensor for a cache's K or V storage. On the CPU, storage of
+/// 2 MiB or more starts at a 2 MiB boundary: torch's allocator gives 64-byte
+/// alignment (large blocks start 64 bytes past a 4 KiB boundary), which
+/// made every page, and every head run of an HND page, straddle a 4 KiB
+/// boundary, where hardware prefetchers stop (decode from memory 4-6 %
+/// slower on Zen 3: bench/NOTES.md, "Three keys per score pass"). The
+/// tensor is then a view, at an offset, of a byte storage up to 2 MiB
+/// larger. On Linux that storage is also advised to use transparent huge
+/// pages before its first touch: the kernels hop between pages far apart,
+/// and with 4 KiB pages every hop is a TLB miss (a nested page walk under a
+/// hypervisor). Only a hint: the storage is zeroed whole anyway, so it costs
+/// no memory.
 inline at::Tensor zeroed_storage(at::IntArrayRef shape, const at::TensorOptions& options) {
-  at::Tensor t = at::empty(shape, options);
+  constexpr int64_t kHuge = int64_t{2} << 20;
+  const at::ScalarType dtype = c10::typeMetaToScalarType(options.dtype());
+  const int64_t bytes = c10::multiply_integers(shape) * static_cast<int64_t>(c10::elementSize(dtype));
+  if (!options.device().is_cpu() || bytes < kHuge) return at::zeros(shape, options);
+  const at::Tensor raw = at::empty({bytes + kHuge}, options.dtype(at::kByte));
+  const auto begin = reinterpret_cast<uintptr_t>(raw.data_ptr());
+  const auto offset = static_cast<int64_t>((uintptr_t{kHuge} - begin % uintptr_t{kHuge}) % uintptr_t{kHuge});
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
-  if (t.device().is_cpu() && t.nbytes() >= kHuge) {
-    const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-    const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
-    const uintptr_t last = (begin + t.nbytes()) & ~(kHuge - 1);
-    if (last > first) (void)madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-  }
+  (void)madvise(reinterpret_cast<void*>(begin + static_cast<uintptr_t>(offset)), static_cast<size_t>(bytes / kHuge * kHuge),
+                MADV_HUGEPAGE);
 #endif
-  return t.zero_();
+  return raw.narrow(0, offset, bytes).view(dtype).view(shape).zero_();
 }
 }  // namespace kernels
 }  // namespace pagedkv
