@@ -383,7 +383,7 @@ TEST_P(AttentionTest, LongContextsSplitAcrossThreadsMatch) {
 }
 
 // The decode path (cpu/attention/decode.hpp: one query, native pages,
-// head_dim a multiple of 16; AVX2) against the float64 reference where its
+// head_dim a multiple of 16; AVX2, and AVX-512 machines) against the float64 reference where its
 // frame has edges: pages longer than a step (24 > kDecodeKeys), odd steps
 // (pages of 3 and 5 tokens), splits whose first token is inside a page (4
 // threads; a split is a multiple of 32 tokens), one kv head per item and

@@ -11,6 +11,8 @@
 //   g++ -std=c++17 -O3 -DNDEBUG -g -fopenmp -Iinclude -I/usr/include/torch/csrc/api/include
 //       bench/tools/attention_driver.cpp -o /tmp/attention_driver -ltorch_cpu -lc10
 // Run:   /tmp/attention_driver <NHD|HND> B T calls threads [fp16|bf16]
+// ISA=avx2 (or portable, avx512) in the environment picks the kernel path
+// (ScopedIsa; at one thread, where the calls run on the calling thread).
 // With bench/tools/attention_touch_only.patch applied to the headers first
 // and TOUCH_ONLY=1 in the environment, the AVX2 score and value loops only
 // load each 64-byte line of K and V once: what is left is the kernel's
@@ -42,6 +44,13 @@ void run(int64_t batch, int64_t tokens, at::ScalarType dtype, int calls) {
   cache.write(0, table, 0, at::randn({batch, tokens, kHeads, kHeadDim}).to(dtype),
               at::randn({batch, tokens, kHeads, kHeadDim}).to(dtype));
   const at::Tensor lengths = at::full({batch}, tokens, at::kLong);
+  const char* isa_env = std::getenv("ISA");
+  const std::string isa = isa_env ? isa_env : "best";
+  const pagedkv::attention_kernels::Isa chosen = isa == "avx2" ? pagedkv::attention_kernels::Isa::avx2
+                              : isa == "avx512" ? pagedkv::attention_kernels::Isa::avx512
+                              : isa == "portable" ? pagedkv::attention_kernels::Isa::portable
+                                                  : pagedkv::attention_kernels::Isa::best;
+  const pagedkv::attention_kernels::ScopedIsa scoped(chosen);
   const at::Tensor q = at::randn({batch, 1, kQueryHeads, kHeadDim}).to(dtype);
   const auto view = cache.bind(table, lengths);
   std::vector<double> ms;
@@ -54,8 +63,8 @@ void run(int64_t batch, int64_t tokens, at::ScalarType dtype, int calls) {
   }
   std::sort(ms.begin(), ms.end());
   const double bytes = static_cast<double>(batch * tokens * kHeads * kHeadDim * 2) * at::elementSize(dtype);
-  std::printf("%s B%ldxT%ld: min %.3f ms  median %.3f ms  %.1f GB/s (min)  checksum %.6f\n",
-              Layout::name, static_cast<long>(batch), static_cast<long>(tokens), ms[0], ms[ms.size() / 2],
+  std::printf("%s %s B%ldxT%ld: min %.3f ms  median %.3f ms  %.1f GB/s (min)  checksum %.6f\n",
+              Layout::name, isa.c_str(), static_cast<long>(batch), static_cast<long>(tokens), ms[0], ms[ms.size() / 2],
               bytes / ms[0] / 1e6, out.to(at::kFloat).abs().sum().item<double>());
 }
 

@@ -7,8 +7,9 @@
 // the page (a head's token vectors are a fixed stride apart in either
 // layout, so no per-token row pointers are built). The next page of the
 // item is read ahead while this one is worked on, a page ahead and spread
-// over its steps. Every other call (prefill, quantized pages, the portable
-// and AVX-512 paths) takes the general item loop in kernel.hpp.
+// over its steps. The AVX-512 path takes the AVX2 step too (below). Every
+// other call (prefill, quantized pages, the portable path) takes the
+// general item loop in kernel.hpp.
 // bench/NOTES.md, "A decode path for AVX2", has what it gained and why.
 #pragma once
 
@@ -20,6 +21,7 @@
 #include "pagedkv/cpu/attention/plan.hpp"
 #include "pagedkv/cpu/attention/prefetch.hpp"
 #include "pagedkv/simd/isa.hpp"
+#include "pagedkv/simd/isa_avx512.hpp"
 
 namespace pagedkv {
 namespace attention_kernels {
@@ -33,6 +35,19 @@ struct DecodeStepOf {
 #ifdef PAGEDKV_ATTENTION_AVX2
 template <>
 struct DecodeStepOf<Avx2> {
+  static constexpr bool kAvailable = true;
+  using Kernel = Avx2Decode;
+};
+#endif
+
+// AVX-512 machines take the AVX2 step: on Zen 4 it decoded in 0.63-0.74x
+// the time of the AVX-512 general loop from memory and 0.85-0.92x from L3
+// (bench/NOTES.md, "The decode step on AVX-512 machines"). A 512-bit step
+// would gain where 512-bit FMAs are twice as many per cycle (Sapphire
+// Rapids), which no machine here has measured.
+#if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
+template <>
+struct DecodeStepOf<Avx512> {
   static constexpr bool kAvailable = true;
   using Kernel = Avx2Decode;
 };
