@@ -218,8 +218,10 @@ const bool registered = [] {
   if (!cpu.microarchitecture.empty()) {
     benchmark::AddCustomContext("pagedkv_cpu_microarchitecture", cpu.microarchitecture);
   }
-  benchmark::AddCustomContext("pagedkv_attention_isa",
-                              pagedkv::attention_kernels::isa_name(pagedkv::attention_kernels::selected_isa()));
+  namespace ak = pagedkv::attention_kernels;
+  benchmark::AddCustomContext("pagedkv_attention_isa", ak::isa_name(ak::selected_isa()));
+  const char* decode_step = ak::decode_step_isa_name(ak::selected_isa());
+  benchmark::AddCustomContext("pagedkv_attention_decode_step", decode_step != nullptr ? decode_step : "none");
   register_layout<NHD>("NHD");
   register_layout<HND>("HND");
   return true;

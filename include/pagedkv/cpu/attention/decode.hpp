@@ -53,6 +53,22 @@ struct DecodeStepOf<Avx512> {
 };
 #endif
 
+/// The instruction set of the decode step that path `isa` takes ("avx2"),
+/// or nullptr where its decode takes the general loop: on AVX-512 machines
+/// the kernel's path (selected_isa) and its decode step differ, and
+/// bench/report prints both.
+inline const char* decode_step_isa_name(Isa isa) noexcept {
+  switch (isa) {
+#if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
+    case Isa::avx512: return DecodeStepOf<Avx512>::Kernel::kIsaName;
+#endif
+#ifdef PAGEDKV_ATTENTION_AVX2
+    case Isa::avx2: return DecodeStepOf<Avx2>::Kernel::kIsaName;
+#endif
+    default: return nullptr;
+  }
+}
+
 /// Whether problem `pr` (a Problem<T>, kernel.hpp) takes the decode path,
 /// on an Ops whose DecodeStepOf is available.
 template <class Pr>

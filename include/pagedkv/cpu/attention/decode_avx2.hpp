@@ -73,6 +73,9 @@ struct ValueLanes<c10::BFloat16> {
 };
 
 struct Avx2Decode {
+  /// The step's instruction set, as isa_name() spells it.
+  static constexpr const char* kIsaName = "avx2";
+
   /// Rows of a step's score buffer: the query rows of one GQA group that
   /// share each key load.
   static constexpr int kRows = 4;
