@@ -147,65 +147,42 @@ struct Avx2Decode {
     int64_t j = 0;
     for (; j < threes_end; j += 3) {
       ahead.next(3 * kAheadLinesPerKey);
-      score_three<R>(st, j, scores + j * kRows);
+      score_keys<R, 3>(st, j, scores + j * kRows);
     }
     for (; j < n; j += 2) {
       ahead.next(2 * kAheadLinesPerKey);
-      score_pair<R>(st, j, scores + j * kRows);
+      score_keys<R, 2>(st, j, scores + j * kRows);
     }
     ahead.rest();
     if ((n & 1) != 0) _mm_store_ps(scores + n * kRows, _mm_load_ps(scores + (n - 1) * kRows));
   }
 
-  /// Keys j, j + 1, j + 2: 3 x R chains over D; out[k * 4 + r] = score of
-  /// key j + k against row r.
-  template <int R, class E>
-  PAGEDKV_TARGET_AVX2 static void score_three(const Operands<E>& st, int64_t j, float* out) noexcept {
+  /// Keys j .. j + K - 1 (K = 2 or 3): K x R FMA chains over D; out[k * 4
+  /// + r] = score of key j + k against row r. A pair past the last key
+  /// (j + 1 == n) scores key j twice. Three keys fold each query load into
+  /// its three FMAs (all 16 registers in use); two keys load the R query
+  /// vectors into registers first.
+  template <int R, int K, class E>
+  PAGEDKV_TARGET_AVX2 static void score_keys(const Operands<E>& st, int64_t j, float* out) noexcept {
+    static_assert(K == 2 || K == 3, "a score pass takes two or three keys");
     const int64_t D = st.head_dim;
     const float* const q = st.q;
-    const E* const k0 = st.keys + j * st.stride;
-    const E* const k1 = k0 + st.stride;
-    const E* const k2 = k1 + st.stride;
-    __m256 a[kRows], b[kRows], c[kRows];
-    for (int r = 0; r < kRows; ++r) a[r] = b[r] = c[r] = _mm256_setzero_ps();
+    const E* key[K];
+    key[0] = st.keys + j * st.stride;
+    for (int k = 1; k < K; ++k) key[k] = j + k < st.n ? key[k - 1] + st.stride : key[k - 1];
+    __m256 acc[K][kRows];
+    for (int k = 0; k < K; ++k)
+      for (int r = 0; r < kRows; ++r) acc[k][r] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      const __m256 x0 = Avx2::load8(k0 + d);
-      const __m256 x1 = Avx2::load8(k1 + d);
-      const __m256 x2 = Avx2::load8(k2 + d);
+      __m256 x[K];
+      for (int k = 0; k < K; ++k) x[k] = Avx2::load8(key[k] + d);
       for (int r = 0; r < R; ++r) {
-        const __m256 q_d = _mm256_loadu_ps(q + r * D + d);
-        a[r] = _mm256_fmadd_ps(x0, q_d, a[r]);
-        b[r] = _mm256_fmadd_ps(x1, q_d, b[r]);
-        c[r] = _mm256_fmadd_ps(x2, q_d, c[r]);
+        __m256 q_d = _mm256_loadu_ps(q + r * D + d);
+        if constexpr (K == 2) q_d = Avx2::in_register(q_d);
+        for (int k = 0; k < K; ++k) acc[k][r] = _mm256_fmadd_ps(x[k], q_d, acc[k][r]);
       }
     }
-    _mm_store_ps(out, sum_rows(a));
-    _mm_store_ps(out + kRows, sum_rows(b));
-    _mm_store_ps(out + 2 * kRows, sum_rows(c));
-  }
-
-  /// Keys j and j + 1 (j itself when j + 1 == n): as score_three, 2 x R
-  /// chains.
-  template <int R, class E>
-  PAGEDKV_TARGET_AVX2 static void score_pair(const Operands<E>& st, int64_t j, float* out) noexcept {
-    const int64_t D = st.head_dim;
-    const float* const q = st.q;
-    const E* const k0 = st.keys + j * st.stride;
-    const E* const k1 = j + 1 < st.n ? k0 + st.stride : k0;
-    __m256 a[kRows], b[kRows];
-    for (int r = 0; r < kRows; ++r) a[r] = b[r] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-      __m256 q_d[R];
-      for (int r = 0; r < R; ++r) q_d[r] = Avx2::in_register(_mm256_loadu_ps(q + r * D + d));
-      const __m256 x0 = Avx2::load8(k0 + d);
-      const __m256 x1 = Avx2::load8(k1 + d);
-      for (int r = 0; r < R; ++r) {
-        a[r] = _mm256_fmadd_ps(x0, q_d[r], a[r]);
-        b[r] = _mm256_fmadd_ps(x1, q_d[r], b[r]);
-      }
-    }
-    _mm_store_ps(out, sum_rows(a));
-    _mm_store_ps(out + kRows, sum_rows(b));
+    for (int k = 0; k < K; ++k) _mm_store_ps(out + k * kRows, sum_rows(acc[k]));
   }
 
   /// [sum of v[0], ..., sum of v[3]]: the four rows' dot products of one
