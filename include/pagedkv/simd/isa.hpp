@@ -43,6 +43,24 @@ inline bool cpu_has_avx512() {
 #endif
 }
 
+/// Whether this CPU runs AVX-512 BF16 dot products on 256-bit vectors
+/// (avx512_bf16 and avx512vl: Zen 4, Sapphire Rapids, Cooper Lake): the
+/// AVX-512 path's decode step scores bf16 keys with them
+/// (cpu/attention/decode_avx512_bf16.hpp).
+inline bool cpu_has_avx512_bf16() {
+#ifdef PAGEDKV_ATTENTION_AVX512
+  static const bool has = cpu_has_avx512() && [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0 || (ebx & (1u << 31)) == 0) return false;  // avx512vl
+    if (eax < 1) return false;                                                                          // no subleaf 1
+    return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0 && (eax & (1u << 5)) != 0;               // avx512_bf16
+  }();
+  return has;
+#else
+  return false;
+#endif
+}
+
 /// Whether this CPU runs `isa` (best and portable run everywhere).
 inline bool cpu_runs(Isa isa) {
   switch (isa) {

@@ -21,6 +21,9 @@
 #include "pagedkv/simd/convert.hpp"
 
 #define PAGEDKV_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+/// AVX-512 BF16 dot products on 256-bit vectors, and everything the AVX2
+/// path uses (cpu_has_avx512_bf16 says whether the CPU runs it).
+#define PAGEDKV_TARGET_AVX512_BF16 __attribute__((target("avx512bf16,avx512vl,avx512f,avx2,fma,f16c")))
 
 // g++ 12 reports "'__Y' may be used uninitialized" inside its own
 // avx512fintrin.h wherever an intrinsic built on _mm512_undefined_*() is

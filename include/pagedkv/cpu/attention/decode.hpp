@@ -7,8 +7,9 @@
 // the page (a head's token vectors are a fixed stride apart in either
 // layout, so no per-token row pointers are built). The next page of the
 // item is read ahead while this one is worked on, a page ahead and spread
-// over its steps. The AVX-512 path takes the AVX2 step too (below). Every
-// other call (prefill, quantized pages, the portable path) takes the
+// over its steps. The AVX-512 path takes the AVX2 step too (below), with
+// bf16 scores by dot products where the CPU has AVX-512 BF16
+// (decode_avx512_bf16.hpp). Every other call (prefill, quantized pages, the portable path) takes the
 // general item loop in kernel.hpp.
 // bench/NOTES.md, "A decode path for AVX2", has what it gained and why.
 #pragma once
@@ -16,8 +17,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "pagedkv/cpu/attention/decode_avx2.hpp"
+#include "pagedkv/cpu/attention/decode_avx512_bf16.hpp"
 #include "pagedkv/cpu/attention/plan.hpp"
 #include "pagedkv/cpu/attention/prefetch.hpp"
 #include "pagedkv/simd/isa.hpp"
@@ -30,12 +33,16 @@ namespace attention_kernels {
 template <class Ops>
 struct DecodeStepOf {
   static constexpr bool kAvailable = false;
+  /// Whether bf16 steps score by dot products (Avx512Bf16Decode) where the
+  /// CPU has them.
+  static constexpr bool kDotsBf16 = false;
 };
 
 #ifdef PAGEDKV_ATTENTION_AVX2
 template <>
 struct DecodeStepOf<Avx2> {
   static constexpr bool kAvailable = true;
+  static constexpr bool kDotsBf16 = false;
   using Kernel = Avx2Decode;
 };
 #endif
@@ -49,23 +56,37 @@ struct DecodeStepOf<Avx2> {
 template <>
 struct DecodeStepOf<Avx512> {
   static constexpr bool kAvailable = true;
+  static constexpr bool kDotsBf16 = true;
   using Kernel = Avx2Decode;
 };
 #endif
 
-/// The instruction set of the decode step that path `isa` takes ("avx2"),
+/// The instruction set of the decode step that path `isa` takes on this
+/// CPU ("avx2", or "avx512_bf16" where bf16 steps score by dot products),
 /// or nullptr where its decode takes the general loop: on AVX-512 machines
 /// the kernel's path (selected_isa) and its decode step differ, and
 /// bench/report prints both.
-inline const char* decode_step_isa_name(Isa isa) noexcept {
+inline const char* decode_step_isa_name(Isa isa) {
   switch (isa) {
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
-    case Isa::avx512: return DecodeStepOf<Avx512>::Kernel::kIsaName;
+    case Isa::avx512:
+      return cpu_has_avx512_bf16() ? "avx2, bf16 scores by avx512_bf16" : DecodeStepOf<Avx512>::Kernel::kIsaName;
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX2
     case Isa::avx2: return DecodeStepOf<Avx2>::Kernel::kIsaName;
 #endif
     default: return nullptr;
+  }
+}
+
+/// Runs Step's step for R = rows (1..4).
+template <class Step, class T>
+void run_decode_step(int64_t rows, const typename Step::template Operands<T>& st) {
+  switch (rows) {
+    case 4: Step::template run<4>(st); break;
+    case 3: Step::template run<3>(st); break;
+    case 2: Step::template run<2>(st); break;
+    default: Step::template run<1>(st); break;
   }
 }
 
@@ -97,7 +118,13 @@ void decode_item(const Pr& pr, const Work& w,
   const char* v_pages = pr.v.pages;  // [n_pages, page_elems] of T
   constexpr auto kElem = static_cast<int64_t>(sizeof(T));
   const int64_t page_bytes = g.page_elems * kElem;
-  const float* q_item = pr.q + ((w.b * pr.n_queries + w.s0) * pr.n_heads + w.h0 * G) * D;  // [nh * G, D]
+  const int64_t q_offset = ((w.b * pr.n_queries + w.s0) * pr.n_heads + w.h0 * G) * D;
+  const float* q_item = pr.q + q_offset;            // [nh * G, D]
+  const T* q_item_given = pr.q_given + q_offset;    // [nh * G, D]
+#if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
+  constexpr bool kMayDot = DecodeStepOf<Ops>::kDotsBf16 && std::is_same<T, c10::BFloat16>::value;
+  [[maybe_unused]] const bool dots = kMayDot && cpu_has_avx512_bf16();
+#endif
   const bool read_ahead = prefetches_side(g, kElem);
   // A token's vectors of every head of the item lie in one run (NHD pages,
   // all heads): read ahead in memory order, 1 / nh of it per head.
@@ -145,13 +172,19 @@ void decode_item(const Pr& pr, const Work& w,
               sum + r0,
               acc_all + r0 * D,
               first ? ahead_keys : LinesAhead(),
-              first ? ahead_values : LinesAhead()};
-          switch (std::min<int64_t>(Step::kRows, G - i0)) {
-            case 4: Step::template run<4>(st); break;
-            case 3: Step::template run<3>(st); break;
-            case 2: Step::template run<2>(st); break;
-            default: Step::template run<1>(st); break;
+              first ? ahead_values : LinesAhead(),
+              q_item_given + r0 * D,
+              pr.scale};
+          const int64_t rows_now = std::min<int64_t>(Step::kRows, G - i0);
+#if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
+          if constexpr (kMayDot) {
+            if (dots) {
+              run_decode_step<Avx512Bf16Decode, T>(rows_now, st);
+              continue;
+            }
           }
+#endif
+          run_decode_step<Step, T>(rows_now, st);
         }
       }
     }

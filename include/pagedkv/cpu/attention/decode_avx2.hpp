@@ -94,6 +94,8 @@ struct Avx2Decode {
     float* acc;             // [R, D]: running sum of exp(score - max) * value, in E's lane order
     LinesAhead ahead_keys;    // read ahead while scoring (the next page's)
     LinesAhead ahead_values;  // read ahead while adding the values
+    const E* q_given;         // [R, D]: the rows' query vectors as given, not scaled (bf16 dot products)
+    float scale;              // q = q_given * scale
   };
 
   /// Lines read ahead per key scored and per 16 columns of values added
@@ -126,7 +128,7 @@ struct Avx2Decode {
     accumulate<R>(st, scores);
   }
 
- private:
+ protected:
   /// scores[j * 4 + r] = q[r] . key j for j < n. Three keys at a time
   /// where it can: 3 x R FMA chains (12 at R = 4, with the three keys and
   /// one query vector: all 16 registers) keep both FMA pipes busy, while

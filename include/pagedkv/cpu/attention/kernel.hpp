@@ -66,6 +66,8 @@ struct Problem {
   AnyPageTableRef table;      // [B, max_pages]
   const int64_t* lengths;     // [B]
   const float* q;             // [B, Sq, n_heads, D], contiguous, pre-scaled
+  const T* q_given;           // [B, Sq, n_heads, D], contiguous, as given: not scaled (bf16 dot products)
+  float scale;                // what q was scaled by
   T* out;                     // [B, Sq, n_heads, D], contiguous
   KVSide k;                   // one layer's keys
   KVSide v;                   // one layer's values
@@ -541,6 +543,8 @@ template <class T>
 void paged_attention_cpu_impl(const AnyPageTableRef& table,         // [B, max_pages]
                               const std::vector<int64_t>& lengths,  // [B]
                               const float* q,                       // [B, Sq, n_heads, D], contiguous, pre-scaled
+                              const T* q_given,                     // [B, Sq, n_heads, D], contiguous, not scaled
+                              float scale,                          // q = q_given * scale
                               T* out,                               // [B, Sq, n_heads, D], contiguous
                               const KVSide& k,                      // one layer's keys
                               const KVSide& v,                      // one layer's values
@@ -548,7 +552,7 @@ void paged_attention_cpu_impl(const AnyPageTableRef& table,         // [B, max_p
   const int64_t group = n_heads / g.n_heads;
   const Plan p = plan(lengths, n_queries, group, g.n_heads, at::get_num_threads());
   std::vector<float> partials(static_cast<size_t>(p.partial_rows * (g.head_dim + 2)));
-  const Problem<T> pr{table, lengths.data(), q, out, k, v, partials.data(), g, n_queries, n_heads, group};
+  const Problem<T> pr{table, lengths.data(), q, q_given, scale, out, k, v, partials.data(), g, n_queries, n_heads, group};
   const Isa isa = selected_isa();  // decided on the calling thread (ScopedIsa is per thread)
   at::parallel_for(0, static_cast<int64_t>(p.work.size()), 1, [&](int64_t begin, int64_t end) {
     run_items_with(isa, pr, p, begin, end);
@@ -574,21 +578,23 @@ at::Tensor paged_attention_cpu(const Table& typed_table,              // [B, max
                                double scale) {
   const AnyPageTableRef table(typed_table);
   const at::Tensor qf = q.to(at::kFloat).mul(scale).contiguous();  // [B, Sq, n_heads, D]
+  const at::Tensor q_given = q.contiguous();                         // [B, Sq, n_heads, D]
+  const auto scale_f = static_cast<float>(scale);
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t n_queries = q.size(1);
   const int64_t n_heads = q.size(2);
   switch (q.scalar_type()) {
     case at::kHalf:
-      paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), out.data_ptr<c10::Half>(), k, v, g, n_queries,
-                               n_heads);
+      paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), q_given.data_ptr<c10::Half>(), scale_f,
+                               out.data_ptr<c10::Half>(), k, v, g, n_queries, n_heads);
       break;
     case at::kBFloat16:
-      paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), out.data_ptr<c10::BFloat16>(), k, v, g,
-                               n_queries, n_heads);
+      paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), q_given.data_ptr<c10::BFloat16>(), scale_f,
+                               out.data_ptr<c10::BFloat16>(), k, v, g, n_queries, n_heads);
       break;
     default:
-      paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), out.data_ptr<float>(), k, v, g, n_queries,
-                               n_heads);
+      paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), q_given.data_ptr<float>(), scale_f,
+                               out.data_ptr<float>(), k, v, g, n_queries, n_heads);
       break;
   }
   return out;

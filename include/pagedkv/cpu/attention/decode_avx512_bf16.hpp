@@ -1,0 +1,100 @@
+// The decode step (cpu/attention/decode.hpp) for bf16 pages and bf16
+// queries on CPUs with AVX-512 BF16 (cpu_has_avx512_bf16: Zen 4, Sapphire
+// Rapids): Avx2Decode's step with its scores taken by `vdpbf16ps`, which
+// multiplies 16 bf16 pairs and adds them into 8 float32 lanes, straight
+// from the key's and the query's bf16 bits: half the instructions of the
+// FMA score pass and no widening. A bf16 x bf16 product is exact in
+// float32, so these are the same products as the FMAs', summed in another
+// order; the query is taken as given and the scale applied to each score
+// (the FMA pass multiplies pre-scaled queries: one rounding of q * scale per
+// element). Like every AVX-512 BF16 instruction, `vdpbf16ps` treats
+// subnormal inputs as zero, which no model's K/V or queries are near.
+// The softmax and the values are Avx2Decode's. bench/NOTES.md, "bf16 scores
+// by dot products", has what it gained.
+#pragma once
+
+#include "pagedkv/cpu/attention/decode_avx2.hpp"
+#include "pagedkv/simd/isa_avx512.hpp"
+
+#if defined(PAGEDKV_ATTENTION_AVX2) && defined(PAGEDKV_ATTENTION_AVX512)
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "pagedkv/cpu/attention/prefetch.hpp"
+
+namespace pagedkv {
+namespace attention_kernels {
+
+struct Avx512Bf16Decode : Avx2Decode {
+  /// The step's instruction set, as bench/report prints it.
+  static constexpr const char* kIsaName = "avx512_bf16";
+
+  /// Scores (by dot products), softmax update and values of one step (R in
+  /// 1..4); bf16 pages and bf16 queries only.
+  template <int R>
+  PAGEDKV_TARGET_AVX512_BF16 __attribute__((noinline)) static void run(
+      const Operands<c10::BFloat16>& st) noexcept {
+    alignas(32) float scores[kDecodeKeys * kRows];  // [key, row]
+    score<R>(st, scores);
+    softmax<R>(st, scores);
+    accumulate<R>(st, scores);
+  }
+
+ private:
+  /// As Avx2Decode::score: three keys a pass where it can, the rest in
+  /// pairs, an odd n's slot n a copy of its last key's scores.
+  template <int R>
+  PAGEDKV_TARGET_AVX512_BF16 static void score(const Operands<c10::BFloat16>& st, float* scores) noexcept {
+    const int64_t n = st.n;
+    const int64_t pairs = n == 1 ? 1 : (2 * n) % 3;  // n % 3 == 0, 2, 1 -> 0, 1, 2 pairs
+    const int64_t threes_end = std::max<int64_t>(0, n - 2 * pairs);
+    LinesAhead ahead = st.ahead_keys;
+    int64_t j = 0;
+    for (; j < threes_end; j += 3) {
+      ahead.next(3 * kAheadLinesPerKey);
+      score_keys<R, 3>(st, j, scores + j * kRows);
+    }
+    for (; j < n; j += 2) {
+      ahead.next(2 * kAheadLinesPerKey);
+      score_keys<R, 2>(st, j, scores + j * kRows);
+    }
+    ahead.rest();
+    if ((n & 1) != 0) _mm_store_ps(scores + n * kRows, _mm_load_ps(scores + (n - 1) * kRows));
+  }
+
+  /// Keys j .. j + K - 1 (K = 2 or 3; a pair past the last key scores key
+  /// j twice): K x R chains over D, 16 elements per `vdpbf16ps`; out[k * 4
+  /// + r] = scale * (q_given[r] . key j + k).
+  template <int R, int K>
+  PAGEDKV_TARGET_AVX512_BF16 static void score_keys(const Operands<c10::BFloat16>& st, int64_t j,
+                                                    float* out) noexcept {
+    static_assert(K == 2 || K == 3, "a score pass takes two or three keys");
+    const int64_t D = st.head_dim;
+    const c10::BFloat16* const q = st.q_given;  // [R, D]
+    const c10::BFloat16* key[K];
+    key[0] = st.keys + j * st.stride;
+    for (int k = 1; k < K; ++k) key[k] = j + k < st.n ? key[k - 1] + st.stride : key[k - 1];
+    __m256 acc[K][kRows];
+    for (int k = 0; k < K; ++k)
+      for (int r = 0; r < kRows; ++r) acc[k][r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      __m256i x[K];
+      for (int k = 0; k < K; ++k) x[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key[k] + d));
+      for (int r = 0; r < R; ++r) {
+        const __m256i q_d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * D + d));
+        for (int k = 0; k < K; ++k) acc[k][r] = _mm256_dpbf16_ps(acc[k][r], (__m256bh)x[k], (__m256bh)q_d);
+      }
+    }
+    const __m128 scale = _mm_set1_ps(st.scale);
+    for (int k = 0; k < K; ++k) _mm_store_ps(out + k * kRows, _mm_mul_ps(sum_rows(acc[k]), scale));
+  }
+};
+
+}  // namespace attention_kernels
+}  // namespace pagedkv
+
+#endif  // PAGEDKV_ATTENTION_AVX2 && PAGEDKV_ATTENTION_AVX512
