@@ -25,7 +25,8 @@ and with transformers computing in the same format (its dtype, or float32
 with K and V rounded as the pages store them), and checks the first step's
 logits (the prompt alone, before any divergence): no further from float32
 than SLACK x transformers' own run in that format, and, for fp8 / int8, within
-QUANTIZED_PATH_TOLERANCE of transformers with the same K/V rounding.
+QUANTIZED_PATH_TOLERANCE (per format) of transformers with the same K/V
+rounding.
 
 Exit 0 when everything holds; transformers and torch must import (the test
 fails, never skips, without them).
@@ -53,9 +54,15 @@ FORMATS = [("bfloat16", "native", "bfloat16"), ("float16", "native", "float16"),
 # on the same model and prompts).
 SLACK = 1.5
 # fp8 / int8 pages with float32 compute: the engine computes what transformers
-# with the same rounded K/V computes, up to float32 rounding (and, rarely, a
-# code that rounds the other way), relative to the step's max |logit|.
-QUANTIZED_PATH_TOLERANCE = 1e-3
+# with the same rounded K/V computes, up to float32 rounding and the codes
+# that this rounding sends the other way, relative to the step's max |logit|.
+# fp8 has 3 mantissa bits, so one code rounding the other way moves the
+# logits far more than int8's: in transformers itself, K/V 1-2 float32 ulps
+# apart before the fp8 rounding moved the gqa model's first-step logits by
+# 2.39e-3 x max|logit| (Zen 4, 2026-12-05), and the engine, whose float32
+# K/V differ from transformers' in the last bits, was 2.34e-3 off there
+# (1e-3, the former bound for both, held on the other machines by chance).
+QUANTIZED_PATH_TOLERANCE = {"fp8": 5e-3, "int8": 1e-3}
 
 
 def load_jsonl(path):
@@ -123,7 +130,7 @@ class Checker:
               f", max |logit difference| {worst:.3g}", flush=True)
         return worst
 
-    def approximate(self, name, model_dir, ref32, ref_same, flags, same_is_exact):
+    def approximate(self, name, model_dir, ref32, ref_same, flags, same_tolerance):
         """Reduced precision against transformers in float32 (ref32) and in
         the same format (ref_same): tokens agreeing up to each request's first
         divergence, and the first step's max |logit difference| / max |logit|."""
@@ -160,9 +167,9 @@ class Checker:
         if err32 > SLACK * err_format:
             self.fail(f"{name}: first-step logits {err32:.3g} x max|logit| off float32, more than {SLACK} x "
                       f"transformers' own {err_format:.3g} in this format")
-        if same_is_exact and err_same > QUANTIZED_PATH_TOLERANCE:
+        if same_tolerance is not None and err_same > same_tolerance:
             self.fail(f"{name}: first-step logits {err_same:.3g} x max|logit| off transformers with the same K/V "
-                      f"rounding (> {QUANTIZED_PATH_TOLERANCE:g})")
+                      f"rounding (> {same_tolerance:g})")
         return agree32, total, agree_same, total_same, err32, err_format, err_same
 
 
@@ -233,7 +240,8 @@ def main():
                 continue  # the dtypes once; the quantized pages on a second head_dim (32) and MQA
             ref_same = make_tiny_model.reference_variant(models[preset], variant)
             res = c.approximate(f"{preset}-{dtype}-{fmt}", models[preset], refs[preset], ref_same,
-                                ["--dtype", dtype, "--kv-format", fmt], same_is_exact=fmt != "native")
+                                ["--dtype", dtype, "--kv-format", fmt],
+                                same_tolerance=QUANTIZED_PATH_TOLERANCE.get(fmt))
             if res:
                 summary.append((preset, dtype, fmt) + res)
     print(f"reduced precision checked in {time.time() - t1:.1f} s", flush=True)
