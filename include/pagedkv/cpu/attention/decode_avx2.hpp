@@ -94,7 +94,11 @@ struct Avx2Decode {
     float* acc;             // [R, D]: running sum of exp(score - max) * value, in E's lane order
     LinesAhead ahead_keys;    // read ahead while scoring (the next page's)
     LinesAhead ahead_values;  // read ahead while adding the values
+    // Read by the bf16 dot-product step (decode_avx512_bf16.hpp), which
+    // cppcheck, checking this header alone, does not see.
+    // cppcheck-suppress unusedStructMember
     const E* q_given;         // [R, D]: the rows' query vectors as given, not scaled (bf16 dot products)
+    // cppcheck-suppress unusedStructMember
     float scale;              // q = q_given * scale
   };
 

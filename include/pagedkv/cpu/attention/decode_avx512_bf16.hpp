@@ -30,9 +30,6 @@ namespace pagedkv {
 namespace attention_kernels {
 
 struct Avx512Bf16Decode : Avx2Decode {
-  /// The step's instruction set, as bench/report prints it.
-  static constexpr const char* kIsaName = "avx512_bf16";
-
   /// Scores (by dot products), softmax update and values of one step (R in
   /// 1..4); bf16 pages and bf16 queries only.
   template <int R>

@@ -66,7 +66,11 @@ struct Problem {
   AnyPageTableRef table;      // [B, max_pages]
   const int64_t* lengths;     // [B]
   const float* q;             // [B, Sq, n_heads, D], contiguous, pre-scaled
+  // Read by the decode path (decode.hpp), which cppcheck, checking this
+  // header alone, does not see.
+  // cppcheck-suppress unusedStructMember
   const T* q_given;           // [B, Sq, n_heads, D], contiguous, as given: not scaled (bf16 dot products)
+  // cppcheck-suppress unusedStructMember
   float scale;                // what q was scaled by
   T* out;                     // [B, Sq, n_heads, D], contiguous
   KVSide k;                   // one layer's keys
