@@ -9,8 +9,8 @@
 // item is read ahead while this one is worked on, a page ahead and spread
 // over its steps. The AVX-512 path takes the AVX2 step too (below), with
 // bf16 scores by dot products where the CPU has AVX-512 BF16
-// (decode_avx512_bf16.hpp). Every other call (prefill, quantized pages, the portable path) takes the
-// general item loop in kernel.hpp.
+// (decode_avx512_bf16.hpp). Every other call (prefill, quantized pages, the
+// portable path) takes the general item loop in kernel.hpp.
 // bench/NOTES.md, "A decode path for AVX2", has what it gained and why.
 #pragma once
 
@@ -62,8 +62,9 @@ struct DecodeStepOf<Avx512> {
 #endif
 
 /// The instruction set of the decode step that path `isa` takes on this
-/// CPU ("avx2", or "avx512_bf16" where bf16 steps score by dot products),
-/// or nullptr where its decode takes the general loop: on AVX-512 machines
+/// CPU ("avx2", or "avx2, bf16 scores by avx512_bf16" where bf16 steps
+/// score by dot products), or nullptr where its decode takes the general
+/// loop: on AVX-512 machines
 /// the kernel's path (selected_isa) and its decode step differ, and
 /// bench/report prints both.
 inline const char* decode_step_isa_name(Isa isa) {
