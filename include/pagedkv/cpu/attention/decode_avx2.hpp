@@ -127,25 +127,29 @@ struct Avx2Decode {
   template <int R, class E>
   PAGEDKV_TARGET_AVX2 __attribute__((noinline)) static void run(const Operands<E>& st) noexcept {
     alignas(32) float scores[kDecodeKeys * kRows];  // [key, row]
-    score<R>(st, scores);
+    score<Avx2Decode, R>(st, scores);
     softmax<R>(st, scores);
     accumulate<R>(st, scores);
   }
 
  protected:
-  /// scores[j * 4 + r] = q[r] . key j for j < n. Three keys at a time
-  /// where it can: 3 x R FMA chains (12 at R = 4, with the three keys and
-  /// one query vector: all 16 registers) keep both FMA pipes busy, while
-  /// the 2 x R chains of a pair wait on the FMA latency for a quarter of
-  /// the time (bench/NOTES.md, "Three keys per score pass"). The rest of n
-  /// goes in pairs: none, one, or two (n = 3t + 4), and n = 1 scores its
+  /// scores[j * 4 + r] = q[r] . key j for j < n, by Step::score_keys
+  /// (this step's FMAs, or Avx512Bf16Decode's dot products). Three keys at
+  /// a time where it can: 3 x R FMA chains (12 at R = 4, with the three
+  /// keys and one query vector: all 16 registers) keep both FMA pipes busy,
+  /// while the 2 x R chains of a pair wait on the FMA latency for a quarter
+  /// of the time (bench/NOTES.md, "Three keys per score pass"). The rest of
+  /// n goes in pairs: none, one, or two (n = 3t + 4), and n = 1 scores its
   /// key twice. An odd n's slot n gets a copy of the last key's scores: the
   /// softmax reads the keys in pairs and zeroes that copy's weight. Lines
-  /// of the next page
-  /// are asked for as the keys are scored, kAheadLinesPerKey per key, so
-  /// that its keys arrive spread over this step.
-  template <int R, class E>
-  PAGEDKV_TARGET_AVX2 static void score(const Operands<E>& st, float* scores) noexcept {
+  /// of the next page are asked for as the keys are scored,
+  /// kAheadLinesPerKey per key, so that its keys arrive spread over this
+  /// step. Always inlined into the step's run: Step::score_keys carries
+  /// its own instruction set, which only the run's matches, and a call per
+  /// pass would cost the hottest loop of the step.
+  template <class Step, int R, class E>
+  PAGEDKV_TARGET_AVX2 __attribute__((always_inline)) static inline void score(const Operands<E>& st,
+                                                                              float* scores) noexcept {
     const int64_t n = st.n;
     const int64_t pairs = n == 1 ? 1 : (2 * n) % 3;  // n % 3 == 0, 2, 1 -> 0, 1, 2 pairs
     const int64_t threes_end = std::max<int64_t>(0, n - 2 * pairs);
@@ -153,11 +157,11 @@ struct Avx2Decode {
     int64_t j = 0;
     for (; j < threes_end; j += 3) {
       ahead.next(3 * kAheadLinesPerKey);
-      score_keys<R, 3>(st, j, scores + j * kRows);
+      Step::template score_keys<R, 3>(st, j, scores + j * kRows);
     }
     for (; j < n; j += 2) {
       ahead.next(2 * kAheadLinesPerKey);
-      score_keys<R, 2>(st, j, scores + j * kRows);
+      Step::template score_keys<R, 2>(st, j, scores + j * kRows);
     }
     ahead.rest();
     if ((n & 1) != 0) _mm_store_ps(scores + n * kRows, _mm_load_ps(scores + (n - 1) * kRows));

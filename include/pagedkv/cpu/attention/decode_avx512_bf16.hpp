@@ -21,10 +21,7 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
-#include <algorithm>
 #include <cstdint>
-
-#include "pagedkv/cpu/attention/prefetch.hpp"
 
 namespace pagedkv {
 namespace attention_kernels {
@@ -36,32 +33,13 @@ struct Avx512Bf16Decode : Avx2Decode {
   PAGEDKV_TARGET_AVX512_BF16 __attribute__((noinline)) static void run(
       const Operands<c10::BFloat16>& st) noexcept {
     alignas(32) float scores[kDecodeKeys * kRows];  // [key, row]
-    score<R>(st, scores);
+    score<Avx512Bf16Decode, R>(st, scores);
     softmax<R>(st, scores);
     accumulate<R>(st, scores);
   }
 
  private:
-  /// As Avx2Decode::score: three keys a pass where it can, the rest in
-  /// pairs, an odd n's slot n a copy of its last key's scores.
-  template <int R>
-  PAGEDKV_TARGET_AVX512_BF16 static void score(const Operands<c10::BFloat16>& st, float* scores) noexcept {
-    const int64_t n = st.n;
-    const int64_t pairs = n == 1 ? 1 : (2 * n) % 3;  // n % 3 == 0, 2, 1 -> 0, 1, 2 pairs
-    const int64_t threes_end = std::max<int64_t>(0, n - 2 * pairs);
-    LinesAhead ahead = st.ahead_keys;
-    int64_t j = 0;
-    for (; j < threes_end; j += 3) {
-      ahead.next(3 * kAheadLinesPerKey);
-      score_keys<R, 3>(st, j, scores + j * kRows);
-    }
-    for (; j < n; j += 2) {
-      ahead.next(2 * kAheadLinesPerKey);
-      score_keys<R, 2>(st, j, scores + j * kRows);
-    }
-    ahead.rest();
-    if ((n & 1) != 0) _mm_store_ps(scores + n * kRows, _mm_load_ps(scores + (n - 1) * kRows));
-  }
+  friend struct Avx2Decode;  // its score pass order calls score_keys
 
   /// Keys j .. j + K - 1 (K = 2 or 3; a pair past the last key scores key
   /// j twice): K x R chains over D, 16 elements per `vdpbf16ps`; out[k * 4
