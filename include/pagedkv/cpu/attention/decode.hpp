@@ -1,5 +1,7 @@
 // The decode path of the CPU attention kernel: one query per sequence
-// (n_queries == 1), native pages on both sides, head_dim a multiple of 16,
+// (n_queries == 1), native pages on both sides or codes of one format (fp8
+// e4m3, int8: each key's scale multiplies its score, each value's its
+// softmax weight), head_dim a multiple of 16,
 // on an instruction set with a decode step (AVX2: decode_avx2.hpp). A work
 // item's keys are read page by page and, in a page, kv head by kv head,
 // kDecodeKeys tokens per step: each step scores its keys against the head's
@@ -9,8 +11,8 @@
 // item is read ahead while this one is worked on, a page ahead and spread
 // over its steps. The AVX-512 path takes the AVX2 step too (below), with
 // bf16 scores by dot products where the CPU has AVX-512 BF16
-// (decode_avx512_bf16.hpp). Every other call (prefill, quantized pages, the
-// portable path) takes the general item loop in kernel.hpp.
+// (decode_avx512_bf16.hpp). Every other call (prefill, K and V in different
+// formats, the portable path) takes the general item loop in kernel.hpp.
 // bench/NOTES.md, "A decode path for AVX2", has what it gained and why.
 #pragma once
 
@@ -23,6 +25,8 @@
 #include "pagedkv/cpu/attention/decode_avx512_bf16.hpp"
 #include "pagedkv/cpu/attention/plan.hpp"
 #include "pagedkv/cpu/attention/prefetch.hpp"
+#include "pagedkv/kv_format.hpp"
+#include "pagedkv/simd/convert.hpp"
 #include "pagedkv/simd/isa.hpp"
 #include "pagedkv/simd/isa_avx512.hpp"
 
@@ -92,20 +96,20 @@ void run_decode_step(int64_t rows, const typename Step::template Operands<T>& st
 }
 
 /// Whether problem `pr` (a Problem<T>, kernel.hpp) takes the decode path,
-/// on an Ops whose DecodeStepOf is available.
+/// on an Ops whose DecodeStepOf is available: native pages, or both sides
+/// quantized in one format.
 template <class Pr>
 bool takes_decode_path(const Pr& pr) noexcept {
-  return pr.n_queries == 1 && !pr.k.quantized() && !pr.v.quantized() && pr.g.head_dim % 16 == 0;
+  return pr.n_queries == 1 && pr.k.format == pr.v.format && pr.g.head_dim % 16 == 0;
 }
 
-/// One work item on the decode path: acc, max and sum of its rows (row
-/// h * G + i is query head (h0 + h) * G + i) over keys [t0, t1), for
-/// kernel.hpp to write out. T: the pages' element type.
-template <class Ops, class T, class Pr>
-void decode_item(const Pr& pr, const Work& w,
-                 float* acc_all,  // [nh * G, D]
-                 float* max,      // [nh * G]
-                 float* sum) {    // [nh * G]
+/// One work item on the decode path with pages of E: T (native) or a code
+/// type (E4m3Code, int8_t); decode_item's.
+template <class Ops, class E, class T, class Pr>
+void decode_item_of(const Pr& pr, const Work& w,
+                    float* acc_all,  // [nh * G, D]
+                    float* max,      // [nh * G]
+                    float* sum) {    // [nh * G]
   using Step = typename DecodeStepOf<Ops>::Kernel;
   const PageGeometry& g = pr.g;
   const int64_t D = g.head_dim;
@@ -115,15 +119,19 @@ void decode_item(const Pr& pr, const Work& w,
   std::fill(sum, sum + rows, 0.0f);
   std::fill(acc_all, acc_all + rows * D, 0.0f);
 
-  const char* k_pages = pr.k.pages;  // [n_pages, page_elems] of T
-  const char* v_pages = pr.v.pages;  // [n_pages, page_elems] of T
-  constexpr auto kElem = static_cast<int64_t>(sizeof(T));
+  const char* k_pages = pr.k.pages;  // [n_pages, page_elems] of E
+  const char* v_pages = pr.v.pages;  // [n_pages, page_elems] of E
+  constexpr auto kElem = static_cast<int64_t>(sizeof(E));
   const int64_t page_bytes = g.page_elems * kElem;
+  // Codes: one scale per (token, head) vector, in the pages' layout order.
+  const int64_t page_scales = g.page_elems / D;
+  const int64_t token_scales = g.token_stride / D;
+  const int64_t head_scales = g.head_stride / D;
   const int64_t q_offset = ((w.b * pr.n_queries + w.s0) * pr.n_heads + w.h0 * G) * D;
   const float* q_item = pr.q + q_offset;            // [nh * G, D]
   const T* q_item_given = pr.q_given + q_offset;    // [nh * G, D]
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
-  constexpr bool kMayDot = DecodeStepOf<Ops>::kDotsBf16 && std::is_same<T, c10::BFloat16>::value;
+  constexpr bool kMayDot = DecodeStepOf<Ops>::kDotsBf16 && std::is_same<E, c10::BFloat16>::value;
   [[maybe_unused]] const bool dots = kMayDot && cpu_has_avx512_bf16();
 #endif
   const bool read_ahead = prefetches_side(g, kElem);
@@ -141,6 +149,12 @@ void decode_item(const Pr& pr, const Work& w,
     // The item's next page, read ahead: its first tokens, as many as this run.
     const int64_t n_next = read_ahead ? std::min(run, t_end - (t + run)) : 0;
     const int64_t next_page = n_next > 0 ? pr.table(w.b, column + 1) : 0;
+    if constexpr (kIsCode<E>) {
+      if (n_next > 0) {  // the next page's scales, 4 bytes a vector: read ahead whole
+        prefetch_bytes(pr.k.scales + next_page * page_scales, page_scales * 4);
+        prefetch_bytes(pr.v.scales + next_page * page_scales, page_scales * 4);
+      }
+    }
     for (int64_t j0 = 0; j0 < run; j0 += kDecodeKeys) {
       const int64_t n = std::min(kDecodeKeys, run - j0);
       const int64_t n_ahead = std::max<int64_t>(0, std::min(n, n_next - j0));
@@ -162,10 +176,11 @@ void decode_item(const Pr& pr, const Work& w,
         for (int64_t i0 = 0; i0 < G; i0 += Step::kRows) {
           const int64_t r0 = h * G + i0;
           const bool first = i0 == 0;  // the group's first rows read ahead for all of them
-          const typename Step::template Operands<T> st{
+          const int64_t first_scale = page * page_scales + (in_page + j0) * token_scales + (w.h0 + h) * head_scales;
+          const typename Step::template Operands<E> st{
               q_item + r0 * D,
-              reinterpret_cast<const T*>(k_pages + page * page_bytes + offset),
-              reinterpret_cast<const T*>(v_pages + page * page_bytes + offset),
+              reinterpret_cast<const E*>(k_pages + page * page_bytes + offset),
+              reinterpret_cast<const E*>(v_pages + page * page_bytes + offset),
               g.token_stride,
               n,
               D,
@@ -174,25 +189,45 @@ void decode_item(const Pr& pr, const Work& w,
               acc_all + r0 * D,
               first ? ahead_keys : LinesAhead(),
               first ? ahead_values : LinesAhead(),
-              q_item_given + r0 * D,
+              kIsCode<E> ? pr.k.scales + first_scale : nullptr,
+              kIsCode<E> ? pr.v.scales + first_scale : nullptr,
+              token_scales,
+              // bf16 dot products only, where E is T.
+              std::is_same<E, T>::value ? reinterpret_cast<const E*>(q_item_given + r0 * D) : nullptr,
               pr.scale};
           const int64_t rows_now = std::min<int64_t>(Step::kRows, G - i0);
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
           if constexpr (kMayDot) {
             if (dots) {
-              run_decode_step<Avx512Bf16Decode, T>(rows_now, st);
+              run_decode_step<Avx512Bf16Decode, E>(rows_now, st);
               continue;
             }
           }
 #endif
-          run_decode_step<Step, T>(rows_now, st);
+          run_decode_step<Step, E>(rows_now, st);
         }
       }
     }
     t += run;
   }
   // Steps on bf16 pages add the values in a permuted lane order (ValueLanes).
-  if constexpr (Step::template kPermutesAccumulators<T>) Step::template restore_accumulators<T>(acc_all, rows * D);
+  if constexpr (Step::template kPermutesAccumulators<E>) Step::template restore_accumulators<E>(acc_all, rows * D);
+}
+
+/// One work item on the decode path: acc, max and sum of its rows (row
+/// h * G + i is query head (h0 + h) * G + i) over keys [t0, t1), for
+/// kernel.hpp to write out. T: the cache's dtype; its pages hold T, or
+/// codes of the format both sides share (takes_decode_path).
+template <class Ops, class T, class Pr>
+void decode_item(const Pr& pr, const Work& w,
+                 float* acc_all,  // [nh * G, D]
+                 float* max,      // [nh * G]
+                 float* sum) {    // [nh * G]
+  switch (pr.k.format) {
+    case KVFormat::fp8_e4m3: return decode_item_of<Ops, E4m3Code, T>(pr, w, acc_all, max, sum);
+    case KVFormat::int8: return decode_item_of<Ops, int8_t, T>(pr, w, acc_all, max, sum);
+    default: return decode_item_of<Ops, T, T>(pr, w, acc_all, max, sum);
+  }
 }
 
 }  // namespace attention_kernels

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "pagedkv/cpu/attention/prefetch.hpp"
 
@@ -27,8 +28,19 @@ namespace attention_kernels {
 /// is updated once per step.
 constexpr int64_t kDecodeKeys = 16;
 
+/// Whether E is a quantized page's code (fp8 e4m3, int8): each vector of
+/// codes then has a float32 scale, and decodes to code_unit(format) x
+/// scale x code (kernel.hpp).
+template <class E>
+constexpr bool kIsCode = std::is_same<E, E4m3Code>::value || std::is_same<E, int8_t>::value;
+
+/// What a code's scale is multiplied by (kernel.hpp's code_unit, per type):
+/// fp8 codes load as e4m3(c) / 2^8.
+template <class E>
+constexpr float kCodeUnit = std::is_same<E, E4m3Code>::value ? kE4m3ViaHalfFactor : 1.0f;
+
 /// How a decode step loads elements [d, d + 16) of a value vector: as two
-/// 8-lane halves, in order (fp32, fp16: half H holds d + 8H .. d + 8H + 7).
+/// 8-lane halves, in order (fp32, fp16, codes: half H holds d + 8H .. d + 8H + 7).
 template <class E>
 struct ValueLanes {
   /// Whether the halves hold the 16 elements out of order, so that the
@@ -94,6 +106,11 @@ struct Avx2Decode {
     float* acc;             // [R, D]: running sum of exp(score - max) * value, in E's lane order
     LinesAhead ahead_keys;    // read ahead while scoring (the next page's)
     LinesAhead ahead_values;  // read ahead while adding the values
+    // Codes (kIsCode<E>): key j's scale is k_scales[j * scale_stride], value
+    // j's v_scales[j * scale_stride]; unread on native pages.
+    const float* k_scales;
+    const float* v_scales;
+    int64_t scale_stride;
     // Read by the bf16 dot-product step (decode_avx512_bf16.hpp), which
     // cppcheck, checking this header alone, does not see.
     // cppcheck-suppress unusedStructMember
@@ -192,7 +209,16 @@ struct Avx2Decode {
         for (int k = 0; k < K; ++k) acc[k][r] = _mm256_fmadd_ps(x[k], q_d, acc[k][r]);
       }
     }
-    for (int k = 0; k < K; ++k) _mm_store_ps(out + k * kRows, sum_rows(acc[k]));
+    for (int k = 0; k < K; ++k) {
+      __m128 s = sum_rows(acc[k]);
+      if constexpr (kIsCode<E>) {
+        // q . key = scale x unit x (q . codes); a pair past the last key (a
+        // copy of key j) takes key j's scale, not one past the run's.
+        const int64_t jk = std::min(j + k, st.n - 1);
+        s = _mm_mul_ps(s, _mm_set1_ps(st.k_scales[jk * st.scale_stride] * kCodeUnit<E>));
+      }
+      _mm_store_ps(out + k * kRows, s);
+    }
   }
 
   /// [sum of v[0], ..., sum of v[3]]: the four rows' dot products of one
@@ -207,7 +233,8 @@ struct Avx2Decode {
 
   /// The online softmax over the step's keys, every row at once: new
   /// maxima, the correction of each row's sum and acc, and the weights
-  /// exp(score - max) in place of the scores.
+  /// exp(score - max) in place of the scores (on codes, times each value's
+  /// scale x unit: the weight its codes need).
   template <int R, class E>
   PAGEDKV_TARGET_AVX2 static void softmax(const Operands<E>& st, float* scores) noexcept {
     const int64_t n = st.n;
@@ -237,8 +264,13 @@ struct Avx2Decode {
           _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(scores + p * 8)), _mm_load_ps(scores + p * 8 + 4), 1);
       __m256 e = Avx2::exp_non_positive(_mm256_sub_ps(two_keys, shift));
       if (odd && p == pairs - 1) e = _mm256_blend_ps(e, _mm256_setzero_ps(), 0xF0);  // an odd n's copy of its last key
-      _mm256_store_ps(scores + p * 8, e);
       total = _mm256_add_ps(total, e);
+      if constexpr (kIsCode<E>) {
+        const float* v_scale = st.v_scales + 2 * p * st.scale_stride;
+        const float second = 2 * p + 1 < n ? v_scale[st.scale_stride] : 0.0f;
+        e = _mm256_mul_ps(e, _mm256_set_m128(_mm_set1_ps(second * kCodeUnit<E>), _mm_set1_ps(v_scale[0] * kCodeUnit<E>)));
+      }
+      _mm256_store_ps(scores + p * 8, e);
     }
     const __m128 step_sum = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
     alignas(16) float factor[kRows];
