@@ -13,7 +13,8 @@
 // bf16 scores by dot products where the CPU has AVX-512 BF16
 // (decode_avx512_bf16.hpp). Every other call (prefill, K and V in different
 // formats, the portable path) takes the general item loop in kernel.hpp.
-// bench/NOTES.md, "A decode path for AVX2", has what it gained and why.
+// bench/NOTES.md, "A decode path for AVX2", has what it gained and why;
+// "Quantized pages take the decode step", what codes gained.
 #pragma once
 
 #include <algorithm>
@@ -150,9 +151,9 @@ void decode_item_of(const Pr& pr, const Work& w,
     const int64_t n_next = read_ahead ? std::min(run, t_end - (t + run)) : 0;
     const int64_t next_page = n_next > 0 ? pr.table(w.b, column + 1) : 0;
     if constexpr (kIsCode<E>) {
-      if (n_next > 0) {  // the next page's scales, 4 bytes a vector: read ahead whole
-        prefetch_bytes(pr.k.scales + next_page * page_scales, page_scales * 4);
-        prefetch_bytes(pr.v.scales + next_page * page_scales, page_scales * 4);
+      if (n_next > 0) {  // the next page's scales, one float a vector: read ahead whole
+        prefetch_bytes(pr.k.scales + next_page * page_scales, page_scales * static_cast<int64_t>(sizeof(float)));
+        prefetch_bytes(pr.v.scales + next_page * page_scales, page_scales * static_cast<int64_t>(sizeof(float)));
       }
     }
     for (int64_t j0 = 0; j0 < run; j0 += kDecodeKeys) {
