@@ -531,7 +531,9 @@ TEST(QuantizedAttentionCpu, VectorPathsAgreeWithThePortableLoopsOnCodes) {
 // page with its read-ahead of the next, against the portable loops. The
 // step multiplies each score by its key's scale and each softmax weight by
 // its value's; a step's odd length scores a copy of its last key, whose
-// scale must be that key's. One thread: each sequence one work item. An
+// scale must be that key's. fp8 steps widen their codes to fp16 first up
+// to a head_dim of 256 (Avx2Decode::kMaxWidenedDim) and read them in place
+// above: head_dims 32 and 272. One thread: each sequence one work item. An
 // outlier first token in K and V (x40) makes every scale count.
 TEST(QuantizedAttentionCpu, DecodeStepsOfEveryLengthOnCodes) {
   const auto isas = pagedkv::attention_kernels::available_isas();
@@ -540,46 +542,49 @@ TEST(QuantizedAttentionCpu, DecodeStepsOfEveryLengthOnCodes) {
   at::set_num_threads(1);
   std::vector<int64_t> lengths;
   for (int64_t n = 17; n <= 32; ++n) lengths.push_back(n);
-  const int64_t B = static_cast<int64_t>(lengths.size()), H = 2, D = 32;
+  const int64_t B = static_cast<int64_t>(lengths.size()), H = 2;
   for_each_layout([&](auto layout) {
     using L = decltype(layout);
     for (const KVFormat format : {KVFormat::fp8_e4m3, KVFormat::int8}) {
-      for (const at::ScalarType dtype : {at::kFloat, at::kHalf}) {
-        for (const int64_t group : {3, 4}) {
-          const KVQuant quant{format, format};
-          const std::string what = describe(quant, dtype, 16, L::name) + " G " + std::to_string(group);
-          PagedCache<L> cache(1, 2 * B, 16, H, D, at::TensorOptions().dtype(dtype), quant);
-          const at::Tensor table = allocate_table(cache, lengths, 2);
-          at::manual_seed(51 + group);
-          const at::Tensor k = at::randn({B, 32, H, D});
-          const at::Tensor v = at::randn({B, 32, H, D});
-          k.select(1, 0).mul_(40);
-          v.select(1, 0).mul_(40);
-          for (int64_t b = 0; b < B; ++b) {
-            const int64_t n = lengths[static_cast<size_t>(b)];
-            cache.write(0, table.narrow(0, b, 1), 0, k.narrow(0, b, 1).narrow(1, 0, n).to(dtype),
-                        v.narrow(0, b, 1).narrow(1, 0, n).to(dtype));
-          }
-          const at::Tensor q = at::randn({B, 1, H * group, D}).to(dtype);
-          const auto view = cache.bind(table, ints(lengths));
-          at::Tensor portable;
-          {
-            const ScopedIsa scoped(Isa::portable);
-            portable = pagedkv::paged_attention(view, 0, q).to(at::kFloat);
-          }
-          ASSERT_TRUE(all_finite(portable)) << what;
-          for (const Isa isa : isas) {
-            if (isa == Isa::portable) continue;
-            const ScopedIsa scoped(isa);
-            const at::Tensor out = pagedkv::paged_attention(view, 0, q).to(at::kFloat);
-            const double bound = dtype == at::kFloat ? 1e-5 : 1e-2;  // fp16: one rounding of the output
+      for (const int64_t D : {32, 272}) {
+        for (const at::ScalarType dtype : {at::kFloat, at::kHalf}) {
+          for (const int64_t group : {3, 4}) {
+            const KVQuant quant{format, format};
+            const std::string what =
+                describe(quant, dtype, 16, L::name) + " G " + std::to_string(group) + " D " + std::to_string(D);
+            PagedCache<L> cache(1, 2 * B, 16, H, D, at::TensorOptions().dtype(dtype), quant);
+            const at::Tensor table = allocate_table(cache, lengths, 2);
+            at::manual_seed(51 + group);
+            const at::Tensor k = at::randn({B, 32, H, D});
+            const at::Tensor v = at::randn({B, 32, H, D});
+            k.select(1, 0).mul_(40);
+            v.select(1, 0).mul_(40);
             for (int64_t b = 0; b < B; ++b) {
-              EXPECT_LE(max_abs(out[b] - portable[b]), bound * std::max(1.0, max_abs(portable[b])))
-                  << what << " last step of " << lengths[static_cast<size_t>(b)] - 16 << " keys, isa "
-                  << pagedkv::attention_kernels::isa_name(isa);
+              const int64_t n = lengths[static_cast<size_t>(b)];
+              cache.write(0, table.narrow(0, b, 1), 0, k.narrow(0, b, 1).narrow(1, 0, n).to(dtype),
+                          v.narrow(0, b, 1).narrow(1, 0, n).to(dtype));
             }
+            const at::Tensor q = at::randn({B, 1, H * group, D}).to(dtype);
+            const auto view = cache.bind(table, ints(lengths));
+            at::Tensor portable;
+            {
+              const ScopedIsa scoped(Isa::portable);
+              portable = pagedkv::paged_attention(view, 0, q).to(at::kFloat);
+            }
+            ASSERT_TRUE(all_finite(portable)) << what;
+            for (const Isa isa : isas) {
+              if (isa == Isa::portable) continue;
+              const ScopedIsa scoped(isa);
+              const at::Tensor out = pagedkv::paged_attention(view, 0, q).to(at::kFloat);
+              const double bound = dtype == at::kFloat ? 1e-5 : 1e-2;  // fp16: one rounding of the output
+              for (int64_t b = 0; b < B; ++b) {
+                EXPECT_LE(max_abs(out[b] - portable[b]), bound * std::max(1.0, max_abs(portable[b])))
+                    << what << " last step of " << lengths[static_cast<size_t>(b)] - 16 << " keys, isa "
+                    << pagedkv::attention_kernels::isa_name(isa);
+              }
+            }
+            if (::testing::Test::HasFailure()) break;
           }
-          if (::testing::Test::HasFailure()) break;
         }
       }
     }

@@ -28,16 +28,34 @@ namespace attention_kernels {
 /// is updated once per step.
 constexpr int64_t kDecodeKeys = 16;
 
-/// Whether E is a quantized page's code (fp8 e4m3, int8): each vector of
-/// codes then has a float32 scale, and decodes to code_unit(format) x
-/// scale x code (kernel.hpp).
+/// fp8 e4m3 codes widened to the fp16 bits they decode through (Avx2::
+/// load8's decode: e4m3(c) / 2^8), as a step on fp8 pages first stores its
+/// keys and its values (Avx2Decode::widen_e4m3).
+struct E4m3AsHalf {
+  uint16_t bits;
+};
+
+/// Whether E is a quantized page's code (fp8 e4m3, int8, or fp8 widened):
+/// each vector of codes then has a float32 scale, and decodes to
+/// code_unit(format) x scale x code (kernel.hpp).
 template <class E>
-constexpr bool kIsCode = std::is_same<E, E4m3Code>::value || std::is_same<E, int8_t>::value;
+constexpr bool kIsCode =
+    std::is_same<E, E4m3Code>::value || std::is_same<E, E4m3AsHalf>::value || std::is_same<E, int8_t>::value;
 
 /// What a code's scale is multiplied by (kernel.hpp's code_unit, per type):
 /// fp8 codes load as e4m3(c) / 2^8.
 template <class E>
-constexpr float kCodeUnit = std::is_same<E, E4m3Code>::value ? kE4m3ViaHalfFactor : 1.0f;
+constexpr float kCodeUnit =
+    std::is_same<E, E4m3Code>::value || std::is_same<E, E4m3AsHalf>::value ? kE4m3ViaHalfFactor : 1.0f;
+
+/// 8 elements as float32: Avx2::load8, and widened fp8 codes as fp16.
+template <class E>
+PAGEDKV_TARGET_AVX2 inline __m256 decode_load8(const E* p) noexcept {
+  return Avx2::load8(p);
+}
+PAGEDKV_TARGET_AVX2 inline __m256 decode_load8(const E4m3AsHalf* p) noexcept {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 /// How a decode step loads elements [d, d + 16) of a value vector: as two
 /// 8-lane halves, in order (fp32, fp16, codes: half H holds d + 8H .. d + 8H + 7).
@@ -49,7 +67,7 @@ struct ValueLanes {
 
   template <int H>
   PAGEDKV_TARGET_AVX2 static __m256 half(const E* p) noexcept {
-    return Avx2::load8(p + 8 * H);
+    return decode_load8(p + 8 * H);
   }
 };
 
@@ -143,13 +161,69 @@ struct Avx2Decode {
   /// (B2xT2048 NHD from L3: 1.21-1.22 ms against 1.18-1.20 ms).
   template <int R, class E>
   PAGEDKV_TARGET_AVX2 __attribute__((noinline)) static void run(const Operands<E>& st) noexcept {
+    if constexpr (std::is_same<E, E4m3Code>::value) {
+      if (st.head_dim <= kMaxWidenedDim) return run_widened<R>(st);
+    }
     alignas(32) float scores[kDecodeKeys * kRows];  // [key, row]
     score<Avx2Decode, R>(st, scores);
     softmax<R>(st, scores);
     accumulate<R>(st, scores);
   }
 
+  /// The largest head_dim whose fp8 steps widen their codes first (two
+  /// buffers of kDecodeKeys x D fp16 on the stack).
+  static constexpr int64_t kMaxWidenedDim = 256;
+
  protected:
+  /// A step on fp8 pages: its keys, then its values, widened to fp16 bits
+  /// 16 codes per instruction (widen_e4m3), then the fp16 passes over them
+  /// with the codes' scales. Widening 8 codes where the passes load them
+  /// took 4 operations (Avx2::load8), 2.5 this way, and a step in L1 took
+  /// 1.5x the time of an fp16 one (bench/NOTES.md, "Quantized pages take
+  /// the decode step").
+  template <int R>
+  PAGEDKV_TARGET_AVX2 static void run_widened(const Operands<E4m3Code>& st) noexcept {
+    const int64_t D = st.head_dim;
+    alignas(32) E4m3AsHalf keys[kDecodeKeys * kMaxWidenedDim];    // [n, D]
+    alignas(32) E4m3AsHalf values[kDecodeKeys * kMaxWidenedDim];  // [n, D]
+    const Operands<E4m3AsHalf> wide{st.q,
+                                    keys,
+                                    values,
+                                    D,  // stride
+                                    st.n,
+                                    D,
+                                    st.max,
+                                    st.sum,
+                                    st.acc,
+                                    st.ahead_keys,
+                                    st.ahead_values,
+                                    st.k_scales,
+                                    st.v_scales,
+                                    st.scale_stride,
+                                    nullptr,  // q_given: bf16 steps only
+                                    st.scale};
+    alignas(32) float scores[kDecodeKeys * kRows];  // [key, row]
+    widen_e4m3(st.keys, st.stride, st.n, D, keys);
+    score<Avx2Decode, R>(wide, scores);
+    softmax<R>(wide, scores);
+    widen_e4m3(st.values, st.stride, st.n, D, values);
+    accumulate<R>(wide, scores);
+  }
+
+  /// out[j * D + d] = the fp16 bits of in[j * stride + d] for j < n, d < D
+  /// (a multiple of 16): Avx2::load8's decode over 16 lanes.
+  PAGEDKV_TARGET_AVX2 static void widen_e4m3(const E4m3Code* in, int64_t stride, int64_t n, int64_t D,
+                                              E4m3AsHalf* out) noexcept {
+    const __m256i keep = _mm256_set1_epi16(-0x4001);  // all but bit 14, the sign's second copy
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + j * stride + d));
+        const __m256i bits = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7), keep);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + j * D + d), bits);
+      }
+    }
+  }
+
   /// scores[j * 4 + r] = q[r] . key j for j < n, by Step::score_keys
   /// (this step's FMAs, or Avx512Bf16Decode's dot products). Three keys at
   /// a time where it can: 3 x R FMA chains (12 at R = 4, with the three
@@ -202,7 +276,7 @@ struct Avx2Decode {
       for (int r = 0; r < kRows; ++r) acc[k][r] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       __m256 x[K];
-      for (int k = 0; k < K; ++k) x[k] = Avx2::load8(key[k] + d);
+      for (int k = 0; k < K; ++k) x[k] = decode_load8(key[k] + d);
       for (int r = 0; r < R; ++r) {
         __m256 q_d = _mm256_loadu_ps(q + r * D + d);
         if constexpr (K == 2) q_d = Avx2::in_register(q_d);
@@ -268,7 +342,8 @@ struct Avx2Decode {
       if constexpr (kIsCode<E>) {
         const float* v_scale = st.v_scales + 2 * p * st.scale_stride;
         const float second = 2 * p + 1 < n ? v_scale[st.scale_stride] : 0.0f;
-        e = _mm256_mul_ps(e, _mm256_set_m128(_mm_set1_ps(second * kCodeUnit<E>), _mm_set1_ps(v_scale[0] * kCodeUnit<E>)));
+        const __m256 weight_scales = _mm256_set_m128(_mm_set1_ps(second), _mm_set1_ps(v_scale[0]));
+        e = _mm256_mul_ps(e, _mm256_mul_ps(weight_scales, _mm256_set1_ps(kCodeUnit<E>)));
       }
       _mm256_store_ps(scores + p * 8, e);
     }
