@@ -32,6 +32,9 @@ constexpr int64_t kDecodeKeys = 16;
 /// load8's decode: e4m3(c) / 2^8), as a step on fp8 pages first stores its
 /// keys and its values (Avx2Decode::widen_e4m3).
 struct E4m3AsHalf {
+  // Read through pointers to the struct (decode_load8's 16-byte loads),
+  // never by name.
+  // cppcheck-suppress unusedStructMember
   uint16_t bits;
 };
 
