@@ -60,6 +60,25 @@ at::Tensor allocate_table(Cache& cache, const std::vector<int64_t>& lengths, int
   return t;
 }
 
+/// Writes sequence b's first lengths[b] tokens of k, v [B, S, H, D]
+/// (float32), as `dtype`, into row b of `table`.
+template <class Cache>
+void write_prefixes(Cache& cache, const at::Tensor& table, const std::vector<int64_t>& lengths, const at::Tensor& k,
+                    const at::Tensor& v, at::ScalarType dtype) {
+  for (int64_t b = 0; b < static_cast<int64_t>(lengths.size()); ++b) {
+    const int64_t n = lengths[static_cast<size_t>(b)];
+    cache.write(0, table.narrow(0, b, 1), 0, k.narrow(0, b, 1).narrow(1, 0, n).to(dtype),
+                v.narrow(0, b, 1).narrow(1, 0, n).to(dtype));
+  }
+}
+
+/// paged_attention over layer 0 on vector path `isa`, as float32.
+template <class View>
+at::Tensor attention_on(Isa isa, const View& view, const at::Tensor& q) {
+  const ScopedIsa scoped(isa);
+  return pagedkv::paged_attention(view, 0, q).to(at::kFloat);
+}
+
 /// |gathered - x| within the contract's per-element bound for `format`,
 /// plus the rounding to the output dtype; no NaN or Inf.
 void expect_within_bounds(const at::Tensor& x,         // [N, D] the written values (the cache's dtype)
@@ -496,23 +515,14 @@ TEST(QuantizedAttentionCpu, VectorPathsAgreeWithThePortableLoopsOnCodes) {
             const at::Tensor table = allocate_table(cache, lengths, 44);
             const at::Tensor k = hard_data(3, 130, H, head_dim, 7 + static_cast<uint64_t>(head_dim)).div_(1e3);
             const at::Tensor v = at::randn({3, 130, H, head_dim});
-            for (int64_t b = 0; b < 3; ++b) {
-              const int64_t n = lengths[static_cast<size_t>(b)];
-              cache.write(0, table.narrow(0, b, 1), 0, k.narrow(0, b, 1).narrow(1, 0, n).to(dtype),
-                          v.narrow(0, b, 1).narrow(1, 0, n).to(dtype));
-            }
+            write_prefixes(cache, table, lengths, k, v, dtype);
             const at::Tensor q = at::randn({3, 1, H * group, head_dim}).to(dtype);
             const auto view = cache.bind(table, ints(lengths));
-            at::Tensor portable;
-            {
-              const ScopedIsa scoped(Isa::portable);
-              portable = pagedkv::paged_attention(view, 0, q).to(at::kFloat);
-            }
+            const at::Tensor portable = attention_on(Isa::portable, view, q);
             ASSERT_TRUE(all_finite(portable)) << what;
             for (const Isa isa : isas) {
               if (isa == Isa::portable) continue;
-              const ScopedIsa scoped(isa);
-              const at::Tensor out = pagedkv::paged_attention(view, 0, q).to(at::kFloat);
+              const at::Tensor out = attention_on(isa, view, q);
               const double bound = dtype == at::kFloat ? 1e-5 : 1e-2;  // fp16: one rounding of the output
               EXPECT_LE(max_abs(out - portable), bound * std::max(1.0, max_abs(portable)))
                   << what << " isa " << pagedkv::attention_kernels::isa_name(isa);
@@ -559,23 +569,14 @@ TEST(QuantizedAttentionCpu, DecodeStepsOfEveryLengthOnCodes) {
             const at::Tensor v = at::randn({B, 32, H, D});
             k.select(1, 0).mul_(40);
             v.select(1, 0).mul_(40);
-            for (int64_t b = 0; b < B; ++b) {
-              const int64_t n = lengths[static_cast<size_t>(b)];
-              cache.write(0, table.narrow(0, b, 1), 0, k.narrow(0, b, 1).narrow(1, 0, n).to(dtype),
-                          v.narrow(0, b, 1).narrow(1, 0, n).to(dtype));
-            }
+            write_prefixes(cache, table, lengths, k, v, dtype);
             const at::Tensor q = at::randn({B, 1, H * group, D}).to(dtype);
             const auto view = cache.bind(table, ints(lengths));
-            at::Tensor portable;
-            {
-              const ScopedIsa scoped(Isa::portable);
-              portable = pagedkv::paged_attention(view, 0, q).to(at::kFloat);
-            }
+            const at::Tensor portable = attention_on(Isa::portable, view, q);
             ASSERT_TRUE(all_finite(portable)) << what;
             for (const Isa isa : isas) {
               if (isa == Isa::portable) continue;
-              const ScopedIsa scoped(isa);
-              const at::Tensor out = pagedkv::paged_attention(view, 0, q).to(at::kFloat);
+              const at::Tensor out = attention_on(isa, view, q);
               const double bound = dtype == at::kFloat ? 1e-5 : 1e-2;  // fp16: one rounding of the output
               for (int64_t b = 0; b < B; ++b) {
                 EXPECT_LE(max_abs(out[b] - portable[b]), bound * std::max(1.0, max_abs(portable[b])))
