@@ -1,11 +1,12 @@
 // The attention suite of issue 4: paged_attention (K/V read straight from
 // the pages) against gather + ATen attention (matmul/softmax) on the same
 // data, against torch's scaled_dot_product_attention on contiguous K/V
-// (torch 2.5 and later), and against two limits of the K/V bytes it reads:
-// a memcpy of them and one pass that only reads them. Decode, fp16, 32
-// query heads, 8 kv heads, head_dim 128, page_size 16, shuffled page
-// tables, both layouts. Naming convention: bench/bench_support.hpp
-// (variants: memcpy and read = the K/V bytes, reference = gather + ATen,
+// (torch 2.5 and later), and against three limits: a memcpy of the K/V
+// bytes it reads, one pass that only reads them, and its float32
+// multiply-adds as FMAs at the core's peak. Decode, fp16, 32 query heads,
+// 8 kv heads, head_dim 128, page_size 16, shuffled page tables, both
+// layouts. Naming convention: bench/bench_support.hpp (variants: memcpy and
+// read = the K/V bytes, fma = the arithmetic, reference = gather + ATen,
 // sdpa = torch's SDPA, pagedkv).
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
@@ -39,6 +40,16 @@ struct AttentionSpec {
   bool with_reference = true;  ///< gather + ATen is 20-40x slower: only on the main rows
   pagedkv::KVQuant quant = {};  ///< quantized pages: codes + scales are the bytes read
 };
+
+/// Whether the case's arithmetic is float32 FMAs, so that the FMA pass
+/// limits it: not bf16 pages where the decode step scores by AVX-512 BF16
+/// dot products (two multiply-adds per lane and instruction).
+bool fma_limits(const AttentionSpec& spec) {
+  namespace ak = pagedkv::attention_kernels;
+  const bool dots = spec.dtype == at::kBFloat16 && !pagedkv::is_quantized(spec.quant) &&
+                    ak::selected_isa() == ak::Isa::avx512 && ak::cpu_has_avx512_bf16();
+  return FmaLimit::available() && !dots;
+}
 
 /// gather + ATen attention, the way an engine without a paged kernel does
 /// it: contiguous [B, T, H, D] K/V, then matmul / softmax / matmul per kv
@@ -168,6 +179,14 @@ void register_attention(const AttentionSpec& spec) {
     auto& f = get();
     timed_loop(state, bench_name, bytes, [&] { benchmark::DoNotOptimize(f.read_limit->run()); });
   });
+  if (fma_limits(spec)) {
+    // Every K and V element times each query row of its kv head's group.
+    const int64_t multiply_adds = 2 * spec.batch * spec.tokens * kHeads * (kQueryHeads / kHeads) * kHeadDim;
+    add(spec.name + "/fma", [multiply_adds, bytes](benchmark::State& state, const std::string& bench_name) {
+      const FmaLimit limit(multiply_adds);
+      timed_loop(state, bench_name, bytes, [&] { benchmark::DoNotOptimize(limit.run()); });
+    });
+  }
   if (spec.with_reference) {
     add(spec.name + "/reference", [get, bytes](benchmark::State& state, const std::string& bench_name) {
       auto& f = get();

@@ -19,15 +19,21 @@
 //              reads its bytes once (a memcpy also writes every byte).
 //   reference  the baseline: a literal ATen port of the reference algorithm
 //              (reference/paged_cache.py), or whatever the case compares to.
+//   fma        for decode attention: the float32 multiply-adds it does (2 x
+//              G x D per token and kv head) as FMAs in registers at the
+//              core's peak, on the same threads (FmaLimit): the limit
+//              where the arithmetic, not the reading, is the slower part.
 //   sdpa       decode attention's peer: torch's scaled_dot_product_attention
 //              on contiguous K/V (torch 2.5 and later; absent on 1.13).
 //   pagedkv    the library call under test.
 //
-// Register them in that order (memcpy, read, reference, sdpa, pagedkv):
+// Register them in that order (memcpy, read, fma, reference, sdpa, pagedkv):
 // `timed_loop` records each variant's time per iteration, so the `pagedkv`
 // (and `reference`, `sdpa`) benchmark can report, as counters of the same run,
 //   x_memcpy       = its time / the memcpy time      (1.0 = at the limit)
 //   x_read         = its time / the read time        (cases with a `read`)
+//   x_fma          = its time / the fma time         (cases with an `fma`)
+//   x_limit        = its time / the slower of read and fma: the tighter limit
 //   x_faster_ref   = the reference time / its time   (pagedkv only)
 //   x_faster_sdpa  = the sdpa time / its time        (pagedkv only)
 // bench/report tables every case that has both a `pagedkv` and a `memcpy`
@@ -401,6 +407,133 @@ class ReadLimit {
   int64_t bytes_ = 0;
 };
 
+// ---- the arithmetic limit ----
+
+/// The float32 multiply-adds of a kernel at the core's peak: `multiply_adds`
+/// of them as FMAs on independent chains in registers, on the same threads,
+/// with no loads, conversions or reductions. Decode attention multiplies
+/// every K and V element into each query row of its GQA group (2 x G x D
+/// per token and kv head); where that arithmetic at peak takes longer than
+/// the read pass (two 256-bit FMA pipes against one core's read bandwidth,
+/// Zen 3 and Zen 4: bench/NOTES.md), it is the tighter limit of the
+/// two. The vector width is the one of 256 and 512
+/// bits that runs more multiply-adds per second here, measured once per
+/// process on one thread: 512-bit FMAs double the rate on cores with two
+/// 512-bit pipes, not on cores that split them in two (Zen 4).
+class FmaLimit {
+ public:
+  explicit FmaLimit(int64_t multiply_adds) : multiply_adds_(multiply_adds) {}
+
+  /// Whether this CPU has FMAs to measure (x86-64 with AVX2 and FMA).
+  static bool available() noexcept {
+#if defined(__GNUC__) && defined(__x86_64__)
+    static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return has;
+#else
+    return false;
+#endif
+  }
+
+  /// The width run() uses, 256 or 512 (0 where !available()).
+  static int width_bits() {
+    static const int bits = faster_width();
+    return bits;
+  }
+
+  /// One pass over every multiply-add; returns a sum of the chains (kept by
+  /// the caller).
+  float run() const {
+    const int bits = width_bits();
+    const int64_t per_block = bits == 512 ? kChains * 16 : kChains * 8;
+    const int64_t blocks = (multiply_adds_ + per_block - 1) / per_block;
+    std::atomic<uint32_t> folded{0};
+    at::parallel_for(0, blocks, kBlocksPerGrain, [&](int64_t begin, int64_t end) {
+      const float x = chains(bits, end - begin);
+      uint32_t bits_of_x = 0;
+      std::memcpy(&bits_of_x, &x, sizeof(x));
+      folded.fetch_xor(bits_of_x, std::memory_order_relaxed);
+    });
+    const uint32_t result = folded.load();
+    benchmark::DoNotOptimize(result);
+    float out = 0.0f;
+    std::memcpy(&out, &result, sizeof(out));
+    return out;
+  }
+
+  int64_t multiply_adds() const { return multiply_adds_; }
+
+ private:
+  /// Independent chains per block: more than FMA latency x pipes (4 x 2) on
+  /// every core here, and few enough for AVX2's 16 registers.
+  static constexpr int kChains = 12;
+  /// Blocks per parallel chunk (~1.5 M multiply-adds at 256 bits).
+  static constexpr int64_t kBlocksPerGrain = int64_t{1} << 14;
+
+  /// `blocks` rounds of kChains FMAs of `bits`-bit vectors.
+  static float chains(int bits, int64_t blocks) noexcept {
+#if defined(__GNUC__) && defined(__x86_64__)
+    if (bits == 512) return chains_avx512(blocks);
+    if (bits == 256) return chains_avx2(blocks);
+#endif
+    (void)blocks;
+    return 0.0f;
+  }
+
+  /// 256 or 512, whichever ran 2^26 multiply-adds faster on this thread
+  /// (best of three each).
+  static int faster_width() {
+    if (!available()) return 0;
+#if defined(__GNUC__) && defined(__x86_64__)
+    if (!__builtin_cpu_supports("avx512f")) return 256;
+    const auto best_seconds = [](int bits) {
+      const int64_t blocks = (int64_t{1} << 26) / (bits == 512 ? kChains * 16 : kChains * 8);
+      double best = 1e30;
+      for (int i = 0; i < 3; ++i) {
+        const auto start = std::chrono::steady_clock::now();
+        benchmark::DoNotOptimize(chains(bits, blocks));
+        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      }
+      return best;
+    };
+    return best_seconds(512) < best_seconds(256) ? 512 : 256;
+#else
+    return 0;
+#endif
+  }
+
+#if defined(__GNUC__) && defined(__x86_64__)
+  // acc = acc * c + d converges to 1 (no overflow, no subnormals) and keeps
+  // each chain's FMAs dependent on the last, as an accumulation's are.
+  __attribute__((target("avx2,fma"))) static float chains_avx2(int64_t blocks) noexcept {
+    const __m256 c = _mm256_set1_ps(0.999f), d = _mm256_set1_ps(0.001f);
+    __m256 acc[kChains];
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i));
+    for (int64_t b = 0; b < blocks; ++b) {
+#pragma GCC unroll 12
+      for (int i = 0; i < kChains; ++i) acc[i] = _mm256_fmadd_ps(acc[i], c, d);
+    }
+    __m256 sum = acc[0];
+    for (int i = 1; i < kChains; ++i) sum = _mm256_add_ps(sum, acc[i]);
+    return _mm_cvtss_f32(_mm256_castps256_ps128(sum));
+  }
+
+  __attribute__((target("avx512f"))) static float chains_avx512(int64_t blocks) noexcept {
+    const __m512 c = _mm512_set1_ps(0.999f), d = _mm512_set1_ps(0.001f);
+    __m512 acc[kChains];
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+    for (int64_t b = 0; b < blocks; ++b) {
+#pragma GCC unroll 12
+      for (int i = 0; i < kChains; ++i) acc[i] = _mm512_fmadd_ps(acc[i], c, d);
+    }
+    __m512 sum = acc[0];
+    for (int i = 1; i < kChains; ++i) sum = _mm512_add_ps(sum, acc[i]);
+    return _mm512_cvtss_f32(sum);
+  }
+#endif
+
+  int64_t multiply_adds_;
+};
+
 // ---- timing and ratio counters ----
 
 /// Seconds per iteration of each (case, variant) measured so far in this run.
@@ -430,9 +563,13 @@ void timed_loop(benchmark::State& state, const std::string& name, int64_t bytes,
     const auto it = times.find(std::make_pair(case_name, std::string(other)));
     return it == times.end() ? 0.0 : it->second;
   };
-  if (variant != "memcpy" && variant != "read") {
+  if (variant != "memcpy" && variant != "read" && variant != "fma") {
     if (const double limit = recorded("memcpy"); limit > 0) state.counters["x_memcpy"] = per_iter / limit;
     if (const double limit = recorded("read"); limit > 0) state.counters["x_read"] = per_iter / limit;
+    if (const double limit = recorded("fma"); limit > 0) {
+      state.counters["x_fma"] = per_iter / limit;
+      state.counters["x_limit"] = per_iter / std::max(limit, recorded("read"));
+    }
   }
   if (variant == "pagedkv") {
     if (const double reference = recorded("reference"); reference > 0) {
