@@ -135,7 +135,6 @@ void decode_item_of(const Pr& pr, const Work& w,
   constexpr bool kMayDot = DecodeStepOf<Ops>::kDotsBf16 && std::is_same<E, c10::BFloat16>::value;
   [[maybe_unused]] const bool dots = kMayDot && cpu_has_avx512_bf16();
 #endif
-  const bool read_ahead = prefetches_side(g, kElem);
   // A token's vectors of every head of the item lie in one run (NHD pages,
   // all heads): read ahead in memory order, 1 / nh of it per head.
   const bool whole_tokens = g.heads_adjacent() && w.nh == g.n_heads;
@@ -147,8 +146,15 @@ void decode_item_of(const Pr& pr, const Work& w,
     const int64_t in_page = t % g.page_size;
     const int64_t run = std::min(t_end - t, g.page_size - in_page);
     const int64_t page = pr.table(w.b, column);
-    // The item's next page, read ahead: its first tokens, as many as this run.
-    const int64_t n_next = read_ahead ? std::min(run, t_end - (t + run)) : 0;
+    // The item's next page, read ahead: its first tokens, as many as this
+    // run. On every CPU and side, unlike the general loop (prefetches_side,
+    // which leaves runs of 2 KiB and more to Intel's hardware prefetchers):
+    // the step was measured with its read-ahead only (without it, 2.5x the
+    // time on Zen 4), and on a Sapphire Rapids guest the general loop took
+    // 1.43x as long per byte on HND pages, not read ahead, as on NHD pages,
+    // read ahead (issue 35). Unmeasured on Intel: bench/NOTES.md, "An
+    // FMA-only pass".
+    const int64_t n_next = std::min(run, t_end - (t + run));
     const int64_t next_page = n_next > 0 ? pr.table(w.b, column + 1) : 0;
     if constexpr (kIsCode<E>) {
       if (n_next > 0) {  // the next page's scales, one float a vector: read ahead whole

@@ -185,9 +185,10 @@ inline int64_t hardware_streamed_run_bytes() {
 #endif
 }
 
-/// Whether the kernel prefetches a side whose elements are `elem_size`
-/// bytes: when the bytes of one head that lie contiguous in a page are
-/// fewer than the hardware streams by itself.
+/// Whether the general item loop (kernel.hpp) prefetches a side whose
+/// elements are `elem_size` bytes: when the bytes of one head that lie
+/// contiguous in a page are fewer than the hardware streams by itself. The
+/// decode step reads its next page ahead on every CPU (decode.hpp).
 inline bool prefetches_side(const PageGeometry& g, int64_t elem_size) {
   const int64_t run_tokens = g.token_stride == g.head_dim ? g.page_size : 1;  // a head's tokens adjacent (HND) or not
   return run_tokens * g.head_dim * elem_size < hardware_streamed_run_bytes();
