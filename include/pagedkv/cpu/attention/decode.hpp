@@ -147,13 +147,13 @@ void decode_item_of(const Pr& pr, const Work& w,
     const int64_t run = std::min(t_end - t, g.page_size - in_page);
     const int64_t page = pr.table(w.b, column);
     // The item's next page, read ahead: its first tokens, as many as this
-    // run. On every CPU and side, unlike the general loop (prefetches_side,
-    // which leaves runs of 2 KiB and more to Intel's hardware prefetchers):
-    // the step was measured with its read-ahead only (without it, 2.5x the
-    // time in a probe on Zen 4), and on a Sapphire Rapids guest the general loop took
-    // 1.43x as long per byte on HND pages, not read ahead, as on NHD pages,
-    // read ahead (issue 35). Unmeasured on Intel: bench/NOTES.md, "Decode
-    // steps read ahead on Intel too".
+    // run. On every CPU and side, unlike the general loop (prefetches_side
+    // leaves runs of 2 KiB and more to Intel's hardware prefetchers): the
+    // step was measured with its read-ahead only (without it, 2.5x the time
+    // in a probe on Zen 4), and on a Sapphire Rapids guest the general loop
+    // took 1.43x as long per byte on HND pages, not read ahead, as on NHD
+    // pages, read ahead (issue 35). Unmeasured on Intel: bench/NOTES.md,
+    // "Decode steps read ahead on Intel too".
     const int64_t n_next = std::min(run, t_end - (t + run));
     const int64_t next_page = n_next > 0 ? pr.table(w.b, column + 1) : 0;
     if constexpr (kIsCode<E>) {
