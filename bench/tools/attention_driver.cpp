@@ -10,7 +10,9 @@
 // Build (from the repository root), e.g. against Debian's libtorch:
 //   g++ -std=c++17 -O3 -DNDEBUG -g -fopenmp -Iinclude -I/usr/include/torch/csrc/api/include
 //       bench/tools/attention_driver.cpp -o /tmp/attention_driver -ltorch_cpu -lc10
-// Run:   /tmp/attention_driver <NHD|HND> B T calls threads [fp16|bf16]
+// Run:   /tmp/attention_driver <NHD|HND> B T calls threads [fp16|bf16|fp8|int8] [query heads]
+// (fp8 and int8: fp16 in and out over pages of those codes; query heads:
+// 32 by default, 64 for a GQA group of 8).
 // ISA=avx2 (or portable, avx512) in the environment picks the kernel path
 // (ScopedIsa; at one thread, where the calls run on the calling thread).
 // With bench/tools/attention_touch_only.patch applied to the headers first
@@ -32,10 +34,12 @@
 #include "pagedkv/paged_cache.hpp"
 
 template <class Layout>
-void run(int64_t batch, int64_t tokens, at::ScalarType dtype, int calls) {
-  constexpr int64_t kPageSize = 16, kHeads = 8, kHeadDim = 128, kQueryHeads = 32;
+void run(int64_t batch, int64_t tokens, at::ScalarType dtype, pagedkv::KVFormat format, int64_t query_heads,
+         int calls) {
+  constexpr int64_t kPageSize = 16, kHeads = 8, kHeadDim = 128;
   const int64_t cols = (tokens + kPageSize - 1) / kPageSize;
-  pagedkv::PagedCache<Layout> cache(1, batch * cols, kPageSize, kHeads, kHeadDim, at::TensorOptions().dtype(dtype));
+  pagedkv::PagedCache<Layout> cache(1, batch * cols, kPageSize, kHeads, kHeadDim, at::TensorOptions().dtype(dtype),
+                                    pagedkv::KVQuant{format, format});
   std::vector<int64_t> ids = cache.pool().alloc_n(batch * cols);
   std::mt19937_64 rng(17);
   std::shuffle(ids.begin(), ids.end(), rng);
@@ -51,7 +55,7 @@ void run(int64_t batch, int64_t tokens, at::ScalarType dtype, int calls) {
                               : isa == "portable" ? pagedkv::attention_kernels::Isa::portable
                                                   : pagedkv::attention_kernels::Isa::best;
   const pagedkv::attention_kernels::ScopedIsa scoped(chosen);
-  const at::Tensor q = at::randn({batch, 1, kQueryHeads, kHeadDim}).to(dtype);
+  const at::Tensor q = at::randn({batch, 1, query_heads, kHeadDim}).to(dtype);
   const auto view = cache.bind(table, lengths);
   std::vector<double> ms;
   at::Tensor out;
@@ -62,7 +66,8 @@ void run(int64_t batch, int64_t tokens, at::ScalarType dtype, int calls) {
     ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
   }
   std::sort(ms.begin(), ms.end());
-  const double bytes = static_cast<double>(batch * tokens * kHeads * kHeadDim * 2) * at::elementSize(dtype);
+  const double bytes = static_cast<double>(batch * tokens * kHeads * kHeadDim * 2) *
+                       (pagedkv::is_quantized(format) ? 1.0 : static_cast<double>(at::elementSize(dtype)));
   std::printf("%s %s B%ldxT%ld: min %.3f ms  median %.3f ms  %.1f GB/s (min)  checksum %.6f\n",
               Layout::name, isa.c_str(), static_cast<long>(batch), static_cast<long>(tokens), ms[0], ms[ms.size() / 2],
               bytes / ms[0] / 1e6, out.to(at::kFloat).abs().sum().item<double>());
@@ -70,18 +75,23 @@ void run(int64_t batch, int64_t tokens, at::ScalarType dtype, int calls) {
 
 int main(int argc, char** argv) {
   if (argc < 6) {
-    std::fprintf(stderr, "usage: %s <NHD|HND> B T calls threads [fp16|bf16]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s <NHD|HND> B T calls threads [fp16|bf16|fp8|int8] [query heads]\n", argv[0]);
     return 2;
   }
   const std::string layout = argv[1];
   const int64_t batch = std::atol(argv[2]), tokens = std::atol(argv[3]);
   const int calls = std::max(1, std::atoi(argv[4]));
   at::set_num_threads(std::atoi(argv[5]));
-  const at::ScalarType dtype = argc > 6 && std::string(argv[6]) == "bf16" ? at::kBFloat16 : at::kHalf;
+  const std::string kind = argc > 6 ? argv[6] : "fp16";
+  const at::ScalarType dtype = kind == "bf16" ? at::kBFloat16 : at::kHalf;
+  const pagedkv::KVFormat format = kind == "fp8"    ? pagedkv::KVFormat::fp8_e4m3
+                                   : kind == "int8" ? pagedkv::KVFormat::int8
+                                                    : pagedkv::KVFormat::native;
+  const int64_t query_heads = argc > 7 ? std::atol(argv[7]) : 32;
   if (layout == "NHD") {
-    run<pagedkv::NHD>(batch, tokens, dtype, calls);
+    run<pagedkv::NHD>(batch, tokens, dtype, format, query_heads, calls);
   } else {
-    run<pagedkv::HND>(batch, tokens, dtype, calls);
+    run<pagedkv::HND>(batch, tokens, dtype, format, query_heads, calls);
   }
   return 0;
 }

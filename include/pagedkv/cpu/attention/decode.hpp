@@ -180,11 +180,11 @@ void decode_item_of(const Pr& pr, const Work& w,
         };
         const LinesAhead ahead_keys = ahead(k_pages);
         const LinesAhead ahead_values = ahead(v_pages);
-        for (int64_t i0 = 0; i0 < G; i0 += Step::kRows) {
-          const int64_t r0 = h * G + i0;
-          const bool first = i0 == 0;  // the group's first rows read ahead for all of them
+        // The step's operands for rows r0.. of the item (the head's first
+        // rows read ahead for all of them).
+        const auto operands = [&](int64_t r0, bool first) {
           const int64_t first_scale = page * page_scales + (in_page + j0) * token_scales + (w.h0 + h) * head_scales;
-          const typename Step::template Operands<E> st{
+          return typename Step::template Operands<E>{
               q_item + r0 * D,
               reinterpret_cast<const E*>(k_pages + page * page_bytes + offset),
               reinterpret_cast<const E*>(v_pages + page * page_bytes + offset),
@@ -202,6 +202,15 @@ void decode_item_of(const Pr& pr, const Work& w,
               // bf16 dot products only, where E is T.
               std::is_same<E, T>::value ? reinterpret_cast<const E*>(q_item_given + r0 * D) : nullptr,
               pr.scale};
+        };
+        if constexpr (std::is_same<E, E4m3Code>::value) {
+          if (G > Step::kRows && D <= Step::kMaxWidenedDim) {  // the head's codes widened once for all G rows
+            Step::run_widened_head(operands(h * G, true), G);
+            continue;
+          }
+        }
+        for (int64_t i0 = 0; i0 < G; i0 += Step::kRows) {
+          const typename Step::template Operands<E> st = operands(h * G + i0, i0 == 0);
           const int64_t rows_now = std::min<int64_t>(Step::kRows, G - i0);
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
           if constexpr (kMayDot) {

@@ -177,6 +177,30 @@ struct Avx2Decode {
   /// buffers of kDecodeKeys x D fp16 on the stack).
   static constexpr int64_t kMaxWidenedDim = 256;
 
+  /// The steps of all `rows` query rows of one kv head on fp8 pages, more
+  /// than kRows of them (a GQA group of 8): as run_widened, but the head's
+  /// codes are widened once for all its rows, not once per kRows (with a
+  /// group of 8, a step per 4 rows widened each code twice: bench/NOTES.md,
+  /// "Fp8 codes widened once per kv head"). st's q, max, sum and acc point
+  /// at the first row; the rows follow each other. head_dim <= kMaxWidenedDim.
+  PAGEDKV_TARGET_AVX2 __attribute__((noinline)) static void run_widened_head(const Operands<E4m3Code>& st,
+                                                                              int64_t rows) noexcept {
+    alignas(32) E4m3AsHalf keys[kDecodeKeys * kMaxWidenedDim];    // [n, D]
+    alignas(32) E4m3AsHalf values[kDecodeKeys * kMaxWidenedDim];  // [n, D]
+    widen_e4m3(st.keys, st.stride, st.n, st.head_dim, keys);
+    for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+      const bool first = r0 == 0;  // the first rows read ahead for all of them and widen the values
+      const Operands<E4m3AsHalf> wide = widened(st, r0, keys, values, first);
+      E4m3AsHalf* const widen_into = first ? values : nullptr;
+      switch (std::min<int64_t>(kRows, rows - r0)) {
+        case 4: widened_passes<4>(wide, st, widen_into); break;
+        case 3: widened_passes<3>(wide, st, widen_into); break;
+        case 2: widened_passes<2>(wide, st, widen_into); break;
+        default: widened_passes<1>(wide, st, widen_into); break;
+      }
+    }
+  }
+
  protected:
   /// A step on fp8 pages: its keys, then its values, widened to fp16 bits
   /// 16 codes per instruction (widen_e4m3), then the fp16 passes over them
@@ -186,30 +210,47 @@ struct Avx2Decode {
   /// the decode step").
   template <int R>
   PAGEDKV_TARGET_AVX2 static void run_widened(const Operands<E4m3Code>& st) noexcept {
-    const int64_t D = st.head_dim;
     alignas(32) E4m3AsHalf keys[kDecodeKeys * kMaxWidenedDim];    // [n, D]
     alignas(32) E4m3AsHalf values[kDecodeKeys * kMaxWidenedDim];  // [n, D]
-    const Operands<E4m3AsHalf> wide{st.q,
-                                    keys,
-                                    values,
-                                    D,  // stride
-                                    st.n,
-                                    D,
-                                    st.max,
-                                    st.sum,
-                                    st.acc,
-                                    st.ahead_keys,
-                                    st.ahead_values,
-                                    st.k_scales,
-                                    st.v_scales,
-                                    st.scale_stride,
-                                    nullptr,  // q_given: bf16 steps only
-                                    st.scale};
+    widen_e4m3(st.keys, st.stride, st.n, st.head_dim, keys);
+    widened_passes<R>(widened(st, 0, keys, values, true), st, values);
+  }
+
+  /// The operands of st's rows r0.. over widened keys and values (a
+  /// stride of D), with st's scales; `first`: with st's read-ahead.
+  PAGEDKV_TARGET_AVX2 static Operands<E4m3AsHalf> widened(const Operands<E4m3Code>& st, int64_t r0,
+                                                          const E4m3AsHalf* keys, const E4m3AsHalf* values,
+                                                          bool first) noexcept {
+    const int64_t D = st.head_dim;
+    return {st.q + r0 * D,
+            keys,
+            values,
+            D,  // stride
+            st.n,
+            D,
+            st.max + r0,
+            st.sum + r0,
+            st.acc + r0 * D,
+            first ? st.ahead_keys : LinesAhead(),
+            first ? st.ahead_values : LinesAhead(),
+            st.k_scales,
+            st.v_scales,
+            st.scale_stride,
+            nullptr,  // q_given: bf16 steps only
+            st.scale};
+  }
+
+  /// The passes of R rows over widened keys; after the softmax, the
+  /// values of `codes` are widened into `values` (wide.values) unless it is
+  /// nullptr (widened by an earlier group of rows).
+  template <int R>
+  PAGEDKV_TARGET_AVX2 __attribute__((always_inline)) static inline void widened_passes(
+      const Operands<E4m3AsHalf>& wide, const Operands<E4m3Code>& codes,
+      E4m3AsHalf* values) noexcept {  // [n, D] or nullptr
     alignas(32) float scores[kDecodeKeys * kRows];  // [key, row]
-    widen_e4m3(st.keys, st.stride, st.n, D, keys);
     score<Avx2Decode, R>(wide, scores);
     softmax<R>(wide, scores);
-    widen_e4m3(st.values, st.stride, st.n, D, values);
+    if (values != nullptr) widen_e4m3(codes.values, codes.stride, codes.n, codes.head_dim, values);
     accumulate<R>(wide, scores);
   }
 
