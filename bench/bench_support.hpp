@@ -414,12 +414,12 @@ class ReadLimit {
 /// with no loads, conversions or reductions. Decode attention multiplies
 /// every K and V element into each query row of its GQA group (2 x G x D
 /// per token and kv head); where that arithmetic at peak takes longer than
-/// the read pass (two 256-bit FMA pipes against one core's read bandwidth,
-/// Zen 3 and Zen 4: bench/NOTES.md), it is the tighter limit of the
-/// two. The vector width is the one of 256 and 512
-/// bits that runs more multiply-adds per second here, measured once per
-/// process on one thread: 512-bit FMAs double the rate on cores with two
-/// 512-bit pipes, not on cores that split them in two (Zen 4).
+/// the read pass (two 256-bit FMA pipes against one core's read bandwidth:
+/// Zen 3, Zen 4; bench/NOTES.md), it is the tighter limit of the two. The
+/// vector width is whichever of 256 and 512 bits runs more multiply-adds
+/// per second here, timed once per process on one thread: 512-bit FMAs
+/// double the rate on cores with two 512-bit pipes, not on cores that split
+/// them in two (Zen 4).
 class FmaLimit {
  public:
   explicit FmaLimit(int64_t multiply_adds) : multiply_adds_(multiply_adds) {}
@@ -459,8 +459,6 @@ class FmaLimit {
     std::memcpy(&out, &result, sizeof(out));
     return out;
   }
-
-  int64_t multiply_adds() const { return multiply_adds_; }
 
  private:
   /// Independent chains per block: more than FMA latency x pipes (4 x 2) on
