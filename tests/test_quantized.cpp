@@ -544,8 +544,9 @@ TEST(QuantizedAttentionCpu, VectorPathsAgreeWithThePortableLoopsOnCodes) {
 // scale must be that key's. fp8 steps widen their codes to fp16 first up
 // to a head_dim of 256 (Avx2Decode::kMaxWidenedDim) and read them in place
 // above: head_dims 32 and 272. GQA groups of 3 and 4 take one step per
-// kv head, of 6 and 8 two, which on fp8 pages share the head's widened
-// codes (Avx2Decode::run_widened_head). One thread: each sequence one work
+// kv head, of 5 to 8 two (4 rows, then 1 to 4: Qwen2's groups of 5 and 7
+// among them), which on fp8 pages share the head's widened codes
+// (Avx2Decode::run_widened_head). One thread: each sequence one work
 // item. An outlier first token in K and V (x40) makes every scale count.
 TEST(QuantizedAttentionCpu, DecodeStepsOfEveryLengthOnCodes) {
   const auto isas = pagedkv::attention_kernels::available_isas();
@@ -560,7 +561,7 @@ TEST(QuantizedAttentionCpu, DecodeStepsOfEveryLengthOnCodes) {
     for (const KVFormat format : {KVFormat::fp8_e4m3, KVFormat::int8}) {
       for (const int64_t D : {32, 272}) {
         for (const at::ScalarType dtype : {at::kFloat, at::kHalf}) {
-          for (const int64_t group : {3, 4, 6, 8}) {
+          for (const int64_t group : {3, 4, 5, 6, 7, 8}) {
             const KVQuant quant{format, format};
             const std::string what =
                 describe(quant, dtype, 16, L::name) + " G " + std::to_string(group) + " D " + std::to_string(D);

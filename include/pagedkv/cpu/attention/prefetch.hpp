@@ -22,7 +22,14 @@ namespace attention_kernels {
 /// __builtin_prefetch as free of side effects, took prefetch_rows (nothing
 /// but prefetches) for a pure function and deleted the calls whose result,
 /// none, was unused: the kernel ran without prefetching (bench/NOTES.md,
-/// "Reading one chunk ahead").
+/// "Reading one chunk ahead"). The line is a memory operand, which lets the
+/// compiler fold the address arithmetic into the instruction (a register
+/// operand made the decode step 2-4 % slower), but which it must assume the
+/// asm reads: inside a loop over an array of vector accumulators, g++ then
+/// kept the array in memory, storing it every iteration (2.5x the time, in a
+/// probe). Call it between vector loops, as the kernels do, or check the
+/// loop's code (bench/NOTES.md, "Spread read-ahead, 512-bit passes and
+/// two-page steps on Zen 4").
 inline void prefetch_line(const void* address) noexcept {
 #if defined(__GNUC__) && defined(__x86_64__)
   asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(address)));
