@@ -24,7 +24,7 @@ namespace attention_kernels {
 /// none, was unused: the kernel ran without prefetching (bench/NOTES.md,
 /// "Reading one chunk ahead"). The line is a memory operand, which lets the
 /// compiler fold the address arithmetic into the instruction (a register
-/// operand made the decode step 2-4 % slower), but which it must assume the
+/// operand made the decode step 1-4 % slower), but which it must assume the
 /// asm reads: inside a loop over an array of vector accumulators, g++ then
 /// kept the array in memory, storing it every iteration (2.5x the time, in a
 /// probe). Call it between vector loops, as the kernels do, or check the
