@@ -43,11 +43,13 @@ struct AttentionSpec {
 
 /// Whether the case's arithmetic is float32 FMAs, so that the FMA pass
 /// limits it: not bf16 pages where the decode step scores by AVX-512 BF16
-/// dot products (two multiply-adds per lane and instruction).
+/// dot products (two multiply-adds per lane and instruction; the AVX2 step
+/// of the AVX-512 path, not its 512-bit step).
 bool fma_limits(const AttentionSpec& spec) {
   namespace ak = pagedkv::attention_kernels;
   const bool dots = spec.dtype == at::kBFloat16 && !pagedkv::is_quantized(spec.quant) &&
-                    ak::selected_isa() == ak::Isa::avx512 && ak::cpu_has_avx512_bf16();
+                    ak::selected_isa() == ak::Isa::avx512 && ak::cpu_has_avx512_bf16() &&
+                    !ak::takes_wide_decode_step();
   return FmaLimit::available() && !dots;
 }
 

@@ -264,8 +264,8 @@ TEST_P(AttentionTest, MatchesFloat64ReferenceAcrossShapes) {
 TEST_P(AttentionTest, VectorPathsAgreeWithThePortableLoops) {
   using pagedkv::attention_kernels::Isa;
   using pagedkv::attention_kernels::ScopedIsa;
-  const auto isas = pagedkv::attention_kernels::available_isas();
-  if (isas.size() == 1) GTEST_SKIP() << "this CPU runs no vector path (neither AVX2 nor AVX-512)";
+  const std::vector<KernelPath> paths = vector_kernel_paths();
+  if (paths.empty()) GTEST_SKIP() << "this CPU runs no vector path (neither AVX2 nor AVX-512)";
   if (GetParam().backend == pagedkv::Backend::generic || GetParam().device != at::kCPU)
     GTEST_SKIP() << "the instruction sets are the CPU kernel's";
   uint64_t seed = 500;
@@ -282,15 +282,13 @@ TEST_P(AttentionTest, VectorPathsAgreeWithThePortableLoops) {
             const ScopedIsa scoped(Isa::portable);
             portable = paged_attention(view, 1, q).to(at::kFloat);
           }
-          for (Isa isa : isas) {
-            if (isa == Isa::portable) continue;
-            const ScopedIsa scoped(isa);
+          for (const KernelPath& path : paths) {
+            const ScopedKernelPath scoped(path);
             const at::Tensor out = paged_attention(view, 1, q).to(at::kFloat);
             const double diff = (out - portable).abs().max().item<double>();
             const double bound = dtype == at::kFloat ? 1e-5 : 1e-2;  // fp16/bf16: one rounding of the output
             EXPECT_LE(diff, bound * std::max(1.0, portable.abs().max().item<double>()))
-                << pagedkv::attention_kernels::isa_name(isa) << " " << L::name << " " << dtype << " G=" << group
-                << " D=" << head_dim;
+                << path.name() << " " << L::name << " " << dtype << " G=" << group << " D=" << head_dim;
           }
         });
       }
@@ -385,18 +383,34 @@ TEST_P(AttentionTest, LongContextsSplitAcrossThreadsMatch) {
 // Which decode step each vector path takes (bench/report prints it beside
 // the kernel's path): AVX-512 machines take the AVX2 step, which on Zen 4
 // decoded in 0.63-0.74x the time of the AVX-512 general loop, with bf16
-// scores by dot products where the CPU has AVX-512 BF16.
+// scores by dot products where the CPU has AVX-512 BF16; the 512-bit step
+// where a 512-bit FMA does twice the work of a 256-bit one
+// (cpu_has_wide_fmas), or where a ScopedDecodeStep asks for it.
 TEST(AttentionPaths, DecodeStepOfEachPath) {
   using pagedkv::attention_kernels::decode_step_isa_name;
+  using pagedkv::attention_kernels::DecodeStep;
   using pagedkv::attention_kernels::Isa;
+  using pagedkv::attention_kernels::ScopedDecodeStep;
   EXPECT_EQ(decode_step_isa_name(Isa::portable), nullptr);
 #ifdef PAGEDKV_ATTENTION_AVX2
   EXPECT_STREQ(decode_step_isa_name(Isa::avx2), "avx2");
+  {
+    const ScopedDecodeStep wide(DecodeStep::avx512);  // the AVX-512 path's choice only
+    EXPECT_STREQ(decode_step_isa_name(Isa::avx2), "avx2");
+  }
 #endif
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
-  EXPECT_STREQ(decode_step_isa_name(Isa::avx512), pagedkv::attention_kernels::cpu_has_avx512_bf16()
-                                                      ? "avx2, bf16 scores by avx512_bf16"
-                                                      : "avx2");
+  const char* narrow = pagedkv::attention_kernels::cpu_has_avx512_bf16() ? "avx2, bf16 scores by avx512_bf16" : "avx2";
+  EXPECT_STREQ(decode_step_isa_name(Isa::avx512),
+               pagedkv::attention_kernels::cpu_has_wide_fmas() ? "avx512" : narrow);
+  {
+    const ScopedDecodeStep forced(DecodeStep::avx2);
+    EXPECT_STREQ(decode_step_isa_name(Isa::avx512), narrow);
+  }
+  if (pagedkv::attention_kernels::cpu_has_avx512()) {
+    const ScopedDecodeStep forced(DecodeStep::avx512);
+    EXPECT_STREQ(decode_step_isa_name(Isa::avx512), "avx512");
+  }
 #endif
 }
 

@@ -79,6 +79,13 @@ at::Tensor attention_on(Isa isa, const View& view, const at::Tensor& q) {
   return pagedkv::paged_attention(view, 0, q).to(at::kFloat);
 }
 
+/// paged_attention over layer 0 on kernel path `path`, as float32.
+template <class View>
+at::Tensor attention_on(const KernelPath& path, const View& view, const at::Tensor& q) {
+  const ScopedKernelPath scoped(path);
+  return pagedkv::paged_attention(view, 0, q).to(at::kFloat);
+}
+
 /// |gathered - x| within the contract's per-element bound for `format`,
 /// plus the rounding to the output dtype; no NaN or Inf.
 void expect_within_bounds(const at::Tensor& x,         // [N, D] the written values (the cache's dtype)
@@ -499,8 +506,8 @@ TEST(QuantizedAttentionCpu, Fp8DecodeThroughHalfIsTheCodecsDecodeOver256) {
 // in the same and in different formats, for head_dims with a vector tail
 // (20, 40) and GQA groups that are not a multiple of the rows scored at once.
 TEST(QuantizedAttentionCpu, VectorPathsAgreeWithThePortableLoopsOnCodes) {
-  const auto isas = pagedkv::attention_kernels::available_isas();
-  if (isas.size() == 1) GTEST_SKIP() << "this CPU runs no vector path (neither AVX2 nor AVX-512)";
+  const std::vector<KernelPath> paths = vector_kernel_paths();
+  if (paths.empty()) GTEST_SKIP() << "this CPU runs no vector path (neither AVX2 nor AVX-512)";
   const std::vector<int64_t> lengths{1, 37, 130};
   for_each_layout([&](auto layout) {
     using L = decltype(layout);
@@ -520,12 +527,11 @@ TEST(QuantizedAttentionCpu, VectorPathsAgreeWithThePortableLoopsOnCodes) {
             const auto view = cache.bind(table, ints(lengths));
             const at::Tensor portable = attention_on(Isa::portable, view, q);
             ASSERT_TRUE(all_finite(portable)) << what;
-            for (const Isa isa : isas) {
-              if (isa == Isa::portable) continue;
-              const at::Tensor out = attention_on(isa, view, q);
+            for (const KernelPath& path : paths) {
+              const at::Tensor out = attention_on(path, view, q);
               const double bound = dtype == at::kFloat ? 1e-5 : 1e-2;  // fp16: one rounding of the output
               EXPECT_LE(max_abs(out - portable), bound * std::max(1.0, max_abs(portable)))
-                  << what << " isa " << pagedkv::attention_kernels::isa_name(isa);
+                  << what << " isa " << path.name();
             }
             if (::testing::Test::HasFailure()) return;
           }
@@ -548,9 +554,10 @@ TEST(QuantizedAttentionCpu, VectorPathsAgreeWithThePortableLoopsOnCodes) {
 // among them), which on fp8 pages share the head's widened codes
 // (Avx2Decode::run_widened_head). One thread: each sequence one work
 // item. An outlier first token in K and V (x40) makes every scale count.
+// Both decode steps of the AVX-512 path (256- and 512-bit passes).
 TEST(QuantizedAttentionCpu, DecodeStepsOfEveryLengthOnCodes) {
-  const auto isas = pagedkv::attention_kernels::available_isas();
-  if (isas.size() == 1) GTEST_SKIP() << "this CPU runs no vector path (neither AVX2 nor AVX-512)";
+  const std::vector<KernelPath> paths = vector_kernel_paths();
+  if (paths.empty()) GTEST_SKIP() << "this CPU runs no vector path (neither AVX2 nor AVX-512)";
   const int previous = at::get_num_threads();
   at::set_num_threads(1);
   std::vector<int64_t> lengths;
@@ -577,14 +584,13 @@ TEST(QuantizedAttentionCpu, DecodeStepsOfEveryLengthOnCodes) {
             const auto view = cache.bind(table, ints(lengths));
             const at::Tensor portable = attention_on(Isa::portable, view, q);
             ASSERT_TRUE(all_finite(portable)) << what;
-            for (const Isa isa : isas) {
-              if (isa == Isa::portable) continue;
-              const at::Tensor out = attention_on(isa, view, q);
+            for (const KernelPath& path : paths) {
+              const at::Tensor out = attention_on(path, view, q);
               const double bound = dtype == at::kFloat ? 1e-5 : 1e-2;  // fp16: one rounding of the output
               for (int64_t b = 0; b < B; ++b) {
                 EXPECT_LE(max_abs(out[b] - portable[b]), bound * std::max(1.0, max_abs(portable[b])))
                     << what << " last step of " << lengths[static_cast<size_t>(b)] - 16 << " keys, isa "
-                    << pagedkv::attention_kernels::isa_name(isa);
+                    << path.name();
               }
             }
             if (::testing::Test::HasFailure()) break;

@@ -10,11 +10,13 @@
 // Build (from the repository root), e.g. against Debian's libtorch:
 //   g++ -std=c++17 -O3 -DNDEBUG -g -fopenmp -Iinclude -I/usr/include/torch/csrc/api/include
 //       bench/tools/attention_driver.cpp -o /tmp/attention_driver -ltorch_cpu -lc10
-// Run:   /tmp/attention_driver <NHD|HND> B T calls threads [fp16|bf16|fp8|int8] [query heads]
+// Run:   /tmp/attention_driver <NHD|HND> B T calls threads [fp16|bf16|fp8|int8] [query heads] [queries]
 // (fp8 and int8: fp16 in and out over pages of those codes; query heads:
-// 32 by default, 64 for a GQA group of 8).
+// 32 by default, 64 for a GQA group of 8; queries: per sequence, 1 by
+// default (decode), more for a chunk of prefill: the general item loop).
 // ISA=avx2 (or portable, avx512) in the environment picks the kernel path
-// (ScopedIsa; at one thread, where the calls run on the calling thread).
+// (ScopedIsa; at one thread, where the calls run on the calling thread);
+// DECODE_STEP=avx2 or avx512 the AVX-512 path's decode step (ScopedDecodeStep).
 // With bench/tools/attention_touch_only.patch applied to the headers first
 // and TOUCH_ONLY=1 in the environment, the AVX2 score and value loops only
 // load each 64-byte line of K and V once: what is left is the kernel's
@@ -35,7 +37,7 @@
 
 template <class Layout>
 void run(int64_t batch, int64_t tokens, at::ScalarType dtype, pagedkv::KVFormat format, int64_t query_heads,
-         int calls) {
+         int64_t queries, int calls) {
   constexpr int64_t kPageSize = 16, kHeads = 8, kHeadDim = 128;
   const int64_t cols = (tokens + kPageSize - 1) / kPageSize;
   pagedkv::PagedCache<Layout> cache(1, batch * cols, kPageSize, kHeads, kHeadDim, at::TensorOptions().dtype(dtype),
@@ -55,7 +57,13 @@ void run(int64_t batch, int64_t tokens, at::ScalarType dtype, pagedkv::KVFormat 
                               : isa == "portable" ? pagedkv::attention_kernels::Isa::portable
                                                   : pagedkv::attention_kernels::Isa::best;
   const pagedkv::attention_kernels::ScopedIsa scoped(chosen);
-  const at::Tensor q = at::randn({batch, 1, query_heads, kHeadDim}).to(dtype);
+  const char* step_env = std::getenv("DECODE_STEP");
+  const std::string step = step_env ? step_env : "best";
+  const pagedkv::attention_kernels::ScopedDecodeStep scoped_step(
+      step == "avx2"     ? pagedkv::attention_kernels::DecodeStep::avx2
+      : step == "avx512" ? pagedkv::attention_kernels::DecodeStep::avx512
+                         : pagedkv::attention_kernels::DecodeStep::best);
+  const at::Tensor q = at::randn({batch, queries, query_heads, kHeadDim}).to(dtype);
   const auto view = cache.bind(table, lengths);
   std::vector<double> ms;
   at::Tensor out;
@@ -75,7 +83,8 @@ void run(int64_t batch, int64_t tokens, at::ScalarType dtype, pagedkv::KVFormat 
 
 int main(int argc, char** argv) {
   if (argc < 6) {
-    std::fprintf(stderr, "usage: %s <NHD|HND> B T calls threads [fp16|bf16|fp8|int8] [query heads]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s <NHD|HND> B T calls threads [fp16|bf16|fp8|int8] [query heads] [queries]\n",
+                 argv[0]);
     return 2;
   }
   const std::string layout = argv[1];
@@ -88,10 +97,11 @@ int main(int argc, char** argv) {
                                    : kind == "int8" ? pagedkv::KVFormat::int8
                                                     : pagedkv::KVFormat::native;
   const int64_t query_heads = argc > 7 ? std::atol(argv[7]) : 32;
+  const int64_t queries = argc > 8 ? std::max(1L, std::atol(argv[8])) : 1;
   if (layout == "NHD") {
-    run<pagedkv::NHD>(batch, tokens, dtype, format, query_heads, calls);
+    run<pagedkv::NHD>(batch, tokens, dtype, format, query_heads, queries, calls);
   } else {
-    run<pagedkv::HND>(batch, tokens, dtype, format, query_heads, calls);
+    run<pagedkv::HND>(batch, tokens, dtype, format, query_heads, queries, calls);
   }
   return 0;
 }

@@ -75,6 +75,16 @@ void attention_sample() {
            "the portable loops to agree with the vector path");
   }
 
+  {
+    //! [decode-step]
+    const char* decode = ak::decode_step_isa_name(ak::selected_isa());  // "avx512", "avx2, ...", or nullptr
+    const ak::ScopedDecodeStep wide(ak::DecodeStep::avx512);  // this thread: the 512-bit step (AVX-512 CPUs)
+    at::Tensor wide_out = pagedkv::paged_attention(step, layer, q1);
+    //! [decode-step]
+    expect(decode != nullptr || ak::selected_isa() == ak::Isa::portable, "a decode step on the vector paths");
+    expect(relative_error(wide_out, out1.to(at::kFloat)) < 2e-2, "either decode step to agree with the other");
+  }
+
   //! [scale]
   // scale defaults to 1/sqrt(head_dim); pass another, e.g. a model's own softmax scale:
   at::Tensor scaled = pagedkv::paged_attention(step, layer, q1, /*scale=*/0.05);

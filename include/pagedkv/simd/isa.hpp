@@ -4,6 +4,8 @@
 // every path the machine has against the portable one).
 #pragma once
 
+#include <algorithm>
+#include <chrono>
 #include <vector>
 
 #include "pagedkv/simd/isa_avx2.hpp"
@@ -56,6 +58,66 @@ inline bool cpu_has_avx512_bf16() {
     return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) != 0 && (eax & (1u << 5)) != 0;               // avx512_bf16
   }();
   return has;
+#else
+  return false;
+#endif
+}
+
+#ifdef PAGEDKV_ATTENTION_AVX512
+namespace detail {
+/// Multiply-adds per timed pass of cpu_has_wide_fmas (~0.3 ms at 256 bits).
+constexpr int64_t kTimedMultiplyAdds = int64_t{1} << 23;
+
+/// The fastest of three passes of kTimedMultiplyAdds as 256-bit FMAs on 12
+/// dependent chains (acc * c + d converges to 1: no overflow, no subnormals).
+__attribute__((target("avx2,fma"))) inline double best_fma256_seconds() {
+  double best = 1e30;
+  for (int pass = 0; pass < 3; ++pass) {
+    const __m256 c = _mm256_set1_ps(0.999f), d = _mm256_set1_ps(0.001f);
+    __m256 acc[12];
+    for (__m256& a : acc) a = d;
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < kTimedMultiplyAdds / (12 * 8); ++i)
+      for (__m256& a : acc) a = _mm256_fmadd_ps(a, c, d);
+    for (const __m256& a : acc) __asm__ volatile("" : : "x"(a));  // the chains are used
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return best;
+}
+
+/// The same multiply-adds as 512-bit FMAs.
+__attribute__((target("avx512f,avx2,fma"))) inline double best_fma512_seconds() {
+  double best = 1e30;
+  for (int pass = 0; pass < 3; ++pass) {
+    const __m512 c = _mm512_set1_ps(0.999f), d = _mm512_set1_ps(0.001f);
+    __m512 acc[12];
+    for (__m512& a : acc) a = d;
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < kTimedMultiplyAdds / (12 * 16); ++i)
+      for (__m512& a : acc) a = _mm512_fmadd_ps(a, c, d);
+    for (const __m512& a : acc) __asm__ volatile("" : : "v"(a));
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return best;
+}
+}  // namespace detail
+#endif
+
+/// Whether a 512-bit FMA does about twice the work of a 256-bit one on
+/// this core: 2^23 multiply-adds on 12 independent chains ran at least 1.5x
+/// as fast in 512-bit vectors (best of three each, ~2 ms once per process,
+/// on the first caller's core). Cores with two 512-bit FMA pipes (most
+/// Xeons since Skylake-SP) give ~2x; cores that split a 512-bit FMA in two
+/// (Zen 4) or have one 512-bit pipe give ~1x, so the margin keeps a noisy
+/// timing from changing the answer (Zen 4: 1.07-1.25x). The AVX-512
+/// path's decode step follows it (cpu/attention/decode.hpp).
+inline bool cpu_has_wide_fmas() {
+#ifdef PAGEDKV_ATTENTION_AVX512
+  static const bool wide = cpu_has_avx512() && [] {
+    detail::best_fma512_seconds();  // a first 512-bit pass: cores that power up their 512-bit units on use
+    return detail::best_fma256_seconds() >= 1.5 * detail::best_fma512_seconds();
+  }();
+  return wide;
 #else
   return false;
 #endif

@@ -153,6 +153,16 @@ struct Avx2 {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
   }
 
+  /// [sum(s0), sum(s1), sum(s2), sum(s3)], reduced with unpacks and
+  /// shuffles: beside FMAs on Zen 3 each costs ~0.1 cycle, a vhaddps ~0.7
+  /// and a vperm2f128 ~0.5 (bench/NOTES.md, "Three keys per score pass").
+  PAGEDKV_TARGET_AVX2 static __m128 sum4(__m256 s0, __m256 s1, __m256 s2, __m256 s3) noexcept {
+    const __m256 s01 = _mm256_add_ps(_mm256_unpacklo_ps(s0, s1), _mm256_unpackhi_ps(s0, s1));
+    const __m256 s23 = _mm256_add_ps(_mm256_unpacklo_ps(s2, s3), _mm256_unpackhi_ps(s2, s3));
+    const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(s01, s23, 0x44), _mm256_shuffle_ps(s01, s23, 0xEE));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  }
+
  private:
   /// `count` (< 8) elements as float32, zeros after (the tail of an odd head_dim).
   template <class E>
@@ -160,12 +170,6 @@ struct Avx2 {
     alignas(32) float buffer[8] = {};
     for (int64_t i = 0; i < count; ++i) buffer[i] = to_float32(p[i]);
     return _mm256_load_ps(buffer);
-  }
-
-  /// [sum(s0), sum(s1), sum(s2), sum(s3)].
-  PAGEDKV_TARGET_AVX2 static __m128 sum4(__m256 s0, __m256 s1, __m256 s2, __m256 s3) noexcept {
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   }
 
   /// Scores of R rows against K keys starting at keys[0]: R x K independent

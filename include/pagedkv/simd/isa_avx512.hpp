@@ -143,6 +143,12 @@ struct Avx512 {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
 
+  /// [sum(s0), sum(s1), sum(s2), sum(s3)]: each folded to 256 bits, then
+  /// Avx2::sum4.
+  PAGEDKV_TARGET_AVX512 static __m128 sum4(__m512 s0, __m512 s1, __m512 s2, __m512 s3) noexcept {
+    return Avx2::sum4(fold(s0), fold(s1), fold(s2), fold(s3));
+  }
+
  private:
   /// `count` (< 16) elements as float32, zeros after (the tail of an odd head_dim).
   template <class E>
@@ -164,11 +170,6 @@ struct Avx512 {
     return _mm_cvtss_f32(s);
   }
 
-  /// [sum(s0), sum(s1), sum(s2), sum(s3)].
-  PAGEDKV_TARGET_AVX512 static __m128 sum4(__m512 s0, __m512 s1, __m512 s2, __m512 s3) noexcept {
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(s0), fold(s1)), _mm256_hadd_ps(fold(s2), fold(s3)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  }
 
   /// The sums of 16 registers x[i] (i = 4k + r: key k, row r) in one,
   /// lane 4r + k: a transpose-and-add tree, 30 shuffles and 15 adds where

@@ -11,7 +11,8 @@
 // item is read ahead while this one is worked on, a page ahead and spread
 // over its steps. The AVX-512 path takes the AVX2 step too (below), with
 // bf16 scores by dot products where the CPU has AVX-512 BF16
-// (decode_avx512_bf16.hpp). Every other call (prefill, K and V in different
+// (decode_avx512_bf16.hpp), or, where a 512-bit FMA does twice the work of
+// a 256-bit one, the 512-bit step (decode_avx512.hpp). Every other call (prefill, K and V in different
 // formats, the portable path) takes the general item loop in kernel.hpp.
 // bench/NOTES.md, "A decode path for AVX2", has what it gained and why;
 // "Quantized pages take the decode step", what codes gained.
@@ -23,6 +24,7 @@
 #include <type_traits>
 
 #include "pagedkv/cpu/attention/decode_avx2.hpp"
+#include "pagedkv/cpu/attention/decode_avx512.hpp"
 #include "pagedkv/cpu/attention/decode_avx512_bf16.hpp"
 #include "pagedkv/cpu/attention/plan.hpp"
 #include "pagedkv/cpu/attention/prefetch.hpp"
@@ -52,11 +54,12 @@ struct DecodeStepOf<Avx2> {
 };
 #endif
 
-// AVX-512 machines take the AVX2 step: on Zen 4 it decoded in 0.63-0.74x
-// the time of the AVX-512 general loop from memory and 0.85-0.92x from L3
-// (bench/NOTES.md, "The decode step on AVX-512 machines"). A 512-bit step
-// would gain where 512-bit FMAs are twice as many per cycle (Sapphire
-// Rapids), which no machine here has measured.
+// AVX-512 machines take the AVX2 step unless a 512-bit FMA does twice the
+// work of a 256-bit one there (cpu_has_wide_fmas; then WideDecodeStep): on
+// Zen 4 the AVX2 step decoded in 0.63-0.74x the time of the AVX-512
+// general loop from memory and 0.85-0.92x from L3 (bench/NOTES.md, "The
+// decode step on AVX-512 machines"), and the 512-bit step took 1.07-1.3x
+// the 256-bit one's time ("The decode step in 512 bits").
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
 template <>
 struct DecodeStepOf<Avx512> {
@@ -64,18 +67,64 @@ struct DecodeStepOf<Avx512> {
   static constexpr bool kDotsBf16 = true;
   using Kernel = Avx2Decode;
 };
+
+/// The AVX-512 path's decode step on cores with two 512-bit FMA pipes:
+/// every dtype through 512-bit FMAs (bf16 scores too: there they run as
+/// many multiply-adds per cycle as 256-bit dot products).
+struct WideDecodeStep {
+  static constexpr bool kAvailable = true;
+  static constexpr bool kDotsBf16 = false;
+  using Kernel = Avx512Decode;
+};
 #endif
 
+/// Which decode step the AVX-512 path takes (the AVX2 path takes avx2):
+/// best, the CPU's (avx512 where cpu_has_wide_fmas), or one forced.
+enum class DecodeStep { best, avx2, avx512 };
+
+inline DecodeStep& decode_step_override() noexcept {
+  thread_local DecodeStep step = DecodeStep::best;
+  return step;
+}
+
+/// Sets the AVX-512 path's decode step for the calling thread, for one
+/// scope: tests run both steps on any AVX-512 CPU, timings compare them.
+class ScopedDecodeStep {
+ public:
+  explicit ScopedDecodeStep(DecodeStep step) : previous_(decode_step_override()) { decode_step_override() = step; }
+  ~ScopedDecodeStep() { decode_step_override() = previous_; }
+  ScopedDecodeStep(const ScopedDecodeStep&) = delete;
+  ScopedDecodeStep& operator=(const ScopedDecodeStep&) = delete;
+
+ private:
+  DecodeStep previous_;
+};
+
+/// Whether the calling thread's AVX-512 path takes the 512-bit step
+/// (WideDecodeStep): its ScopedDecodeStep, else cpu_has_wide_fmas().
+inline bool takes_wide_decode_step() {
+#if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
+  switch (decode_step_override()) {
+    case DecodeStep::avx2: return false;
+    case DecodeStep::avx512: return cpu_has_avx512();
+    default: return cpu_has_wide_fmas();
+  }
+#else
+  return false;
+#endif
+}
+
 /// The instruction set of the decode step that path `isa` takes on this
-/// CPU ("avx2", or "avx2, bf16 scores by avx512_bf16" where bf16 steps
-/// score by dot products), or nullptr where its decode takes the general
-/// loop: on AVX-512 machines
-/// the kernel's path (selected_isa) and its decode step differ, and
-/// bench/report prints both.
+/// CPU and thread ("avx512"; "avx2", or "avx2, bf16 scores by avx512_bf16"
+/// where bf16 steps score by dot products), or nullptr where its decode
+/// takes the general loop: on AVX-512 machines the kernel's path
+/// (selected_isa) and its decode step may differ, and bench/report prints
+/// both.
 inline const char* decode_step_isa_name(Isa isa) {
   switch (isa) {
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
     case Isa::avx512:
+      if (takes_wide_decode_step()) return WideDecodeStep::Kernel::kIsaName;
       return cpu_has_avx512_bf16() ? "avx2, bf16 scores by avx512_bf16" : DecodeStepOf<Avx512>::Kernel::kIsaName;
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX2
@@ -105,13 +154,14 @@ bool takes_decode_path(const Pr& pr) noexcept {
 }
 
 /// One work item on the decode path with pages of E: T (native) or a code
-/// type (E4m3Code, int8_t); decode_item's.
-template <class Ops, class E, class T, class Pr>
+/// type (E4m3Code, int8_t), by StepOf's step (a DecodeStepOf, or
+/// WideDecodeStep); decode_item's.
+template <class StepOf, class E, class T, class Pr>
 void decode_item_of(const Pr& pr, const Work& w,
                     float* acc_all,  // [nh * G, D]
                     float* max,      // [nh * G]
                     float* sum) {    // [nh * G]
-  using Step = typename DecodeStepOf<Ops>::Kernel;
+  using Step = typename StepOf::Kernel;
   const PageGeometry& g = pr.g;
   const int64_t D = g.head_dim;
   const int64_t G = pr.group;
@@ -132,7 +182,7 @@ void decode_item_of(const Pr& pr, const Work& w,
   const float* q_item = pr.q + q_offset;            // [nh * G, D]
   const T* q_item_given = pr.q_given + q_offset;    // [nh * G, D]
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
-  constexpr bool kMayDot = DecodeStepOf<Ops>::kDotsBf16 && std::is_same<E, c10::BFloat16>::value;
+  constexpr bool kMayDot = StepOf::kDotsBf16 && std::is_same<E, c10::BFloat16>::value;
   [[maybe_unused]] const bool dots = kMayDot && cpu_has_avx512_bf16();
 #endif
   // A token's vectors of every head of the item lie in one run (NHD pages,
@@ -167,6 +217,9 @@ void decode_item_of(const Pr& pr, const Work& w,
       const int64_t n_ahead = std::max<int64_t>(0, std::min(n, n_next - j0));
       for (int64_t h = 0; h < w.nh; ++h) {
         const int64_t offset = g.offset(in_page + j0, w.h0 + h) * kElem;  // bytes into the page
+        // Codes: the scale of the step's first key and value (one index for both sides).
+        const int64_t first_scale =
+            kIsCode<E> ? page * page_scales + (in_page + j0) * token_scales + (w.h0 + h) * head_scales : 0;
         // What this head's step reads ahead of the next page, per side.
         const auto ahead = [&](const char* pages) {
           const char* next = pages + next_page * page_bytes;
@@ -183,7 +236,6 @@ void decode_item_of(const Pr& pr, const Work& w,
         // The step's operands for rows r0.. of the item (the head's first
         // rows read ahead for all of them).
         const auto operands = [&](int64_t r0, bool first) {
-          const int64_t first_scale = page * page_scales + (in_page + j0) * token_scales + (w.h0 + h) * head_scales;
           return typename Step::template Operands<E>{
               q_item + r0 * D,
               reinterpret_cast<const E*>(k_pages + page * page_bytes + offset),
@@ -230,20 +282,36 @@ void decode_item_of(const Pr& pr, const Work& w,
   if constexpr (Step::template kPermutesAccumulators<E>) Step::template restore_accumulators<E>(acc_all, rows * D);
 }
 
+/// decode_item by StepOf's step.
+template <class StepOf, class T, class Pr>
+void decode_item_by(const Pr& pr, const Work& w,
+                    float* acc_all,  // [nh * G, D]
+                    float* max,      // [nh * G]
+                    float* sum) {    // [nh * G]
+  switch (pr.k.format) {
+    case KVFormat::fp8_e4m3: return decode_item_of<StepOf, E4m3Code, T>(pr, w, acc_all, max, sum);
+    case KVFormat::int8: return decode_item_of<StepOf, int8_t, T>(pr, w, acc_all, max, sum);
+    default: return decode_item_of<StepOf, T, T>(pr, w, acc_all, max, sum);
+  }
+}
+
 /// One work item on the decode path: acc, max and sum of its rows (row
 /// h * G + i is query head (h0 + h) * G + i) over keys [t0, t1), for
 /// kernel.hpp to write out. T: the cache's dtype; its pages hold T, or
-/// codes of the format both sides share (takes_decode_path).
+/// codes of the format both sides share (takes_decode_path). On the
+/// AVX-512 path, the 512-bit step where pr.wide_decode_step (chosen on the
+/// calling thread: takes_wide_decode_step).
 template <class Ops, class T, class Pr>
 void decode_item(const Pr& pr, const Work& w,
                  float* acc_all,  // [nh * G, D]
                  float* max,      // [nh * G]
                  float* sum) {    // [nh * G]
-  switch (pr.k.format) {
-    case KVFormat::fp8_e4m3: return decode_item_of<Ops, E4m3Code, T>(pr, w, acc_all, max, sum);
-    case KVFormat::int8: return decode_item_of<Ops, int8_t, T>(pr, w, acc_all, max, sum);
-    default: return decode_item_of<Ops, T, T>(pr, w, acc_all, max, sum);
+#if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
+  if constexpr (std::is_same<Ops, Avx512>::value) {
+    if (pr.wide_decode_step) return decode_item_by<WideDecodeStep, T>(pr, w, acc_all, max, sum);
   }
+#endif
+  decode_item_by<DecodeStepOf<Ops>, T>(pr, w, acc_all, max, sum);
 }
 
 }  // namespace attention_kernels

@@ -165,7 +165,7 @@ struct Avx2Decode {
   template <int R, class E>
   PAGEDKV_TARGET_AVX2 __attribute__((noinline)) static void run(const Operands<E>& st) noexcept {
     if constexpr (std::is_same<E, E4m3Code>::value) {
-      if (st.head_dim <= kMaxWidenedDim) return run_widened<R>(st);
+      if (st.head_dim <= kMaxWidenedDim) return run_widened<Avx2Decode, R>(st);
     }
     alignas(32) float scores[kDecodeKeys * kRows];  // [key, row]
     score<Avx2Decode, R>(st, scores);
@@ -185,6 +185,14 @@ struct Avx2Decode {
   /// at the first row; the rows follow each other. head_dim <= kMaxWidenedDim.
   PAGEDKV_TARGET_AVX2 __attribute__((noinline)) static void run_widened_head(const Operands<E4m3Code>& st,
                                                                               int64_t rows) noexcept {
+    widened_head<Avx2Decode>(st, rows);
+  }
+
+ protected:
+  /// run_widened_head with Step's passes (this step's, or Avx512Decode's).
+  template <class Step>
+  PAGEDKV_TARGET_AVX2 __attribute__((always_inline)) static inline void widened_head(const Operands<E4m3Code>& st,
+                                                                                     int64_t rows) noexcept {
     alignas(32) E4m3AsHalf keys[kDecodeKeys * kMaxWidenedDim];    // [n, D]
     alignas(32) E4m3AsHalf values[kDecodeKeys * kMaxWidenedDim];  // [n, D]
     widen_e4m3(st.keys, st.stride, st.n, st.head_dim, keys);
@@ -193,27 +201,27 @@ struct Avx2Decode {
       const Operands<E4m3AsHalf> wide = widened(st, r0, keys, values, first);
       E4m3AsHalf* const widen_into = first ? values : nullptr;
       switch (std::min<int64_t>(kRows, rows - r0)) {
-        case 4: widened_passes<4>(wide, st, widen_into); break;
-        case 3: widened_passes<3>(wide, st, widen_into); break;
-        case 2: widened_passes<2>(wide, st, widen_into); break;
-        default: widened_passes<1>(wide, st, widen_into); break;
+        case 4: widened_passes<Step, 4>(wide, st, widen_into); break;
+        case 3: widened_passes<Step, 3>(wide, st, widen_into); break;
+        case 2: widened_passes<Step, 2>(wide, st, widen_into); break;
+        default: widened_passes<Step, 1>(wide, st, widen_into); break;
       }
     }
   }
 
- protected:
   /// A step on fp8 pages: its keys, then its values, widened to fp16 bits
   /// 16 codes per instruction (widen_e4m3), then the fp16 passes over them
   /// with the codes' scales. Widening 8 codes where the passes load them
   /// took 4 operations (Avx2::load8), 2.5 this way, and a step in L1 took
   /// 1.5x the time of an fp16 one (bench/NOTES.md, "Quantized pages take
-  /// the decode step").
-  template <int R>
-  PAGEDKV_TARGET_AVX2 static void run_widened(const Operands<E4m3Code>& st) noexcept {
+  /// the decode step"). Step: whose passes (this step's, Avx512Decode's).
+  template <class Step, int R>
+  PAGEDKV_TARGET_AVX2 __attribute__((always_inline)) static inline void run_widened(
+      const Operands<E4m3Code>& st) noexcept {
     alignas(32) E4m3AsHalf keys[kDecodeKeys * kMaxWidenedDim];    // [n, D]
     alignas(32) E4m3AsHalf values[kDecodeKeys * kMaxWidenedDim];  // [n, D]
     widen_e4m3(st.keys, st.stride, st.n, st.head_dim, keys);
-    widened_passes<R>(widened(st, 0, keys, values, true), st, values);
+    widened_passes<Step, R>(widened(st, 0, keys, values, true), st, values);
   }
 
   /// The operands of st's rows r0.. over widened keys and values (a
@@ -240,18 +248,18 @@ struct Avx2Decode {
             st.scale};
   }
 
-  /// The passes of R rows over widened keys; after the softmax, the
+  /// Step's passes of R rows over widened keys; after the softmax, the
   /// values of `codes` are widened into `values` (wide.values) unless it is
   /// nullptr (widened by an earlier group of rows).
-  template <int R>
+  template <class Step, int R>
   PAGEDKV_TARGET_AVX2 __attribute__((always_inline)) static inline void widened_passes(
       const Operands<E4m3AsHalf>& wide, const Operands<E4m3Code>& codes,
       E4m3AsHalf* values) noexcept {  // [n, D] or nullptr
     alignas(32) float scores[kDecodeKeys * kRows];  // [key, row]
-    score<Avx2Decode, R>(wide, scores);
+    score<Step, R>(wide, scores);
     softmax<R>(wide, scores);
     if (values != nullptr) widen_e4m3(codes.values, codes.stride, codes.n, codes.head_dim, values);
-    accumulate<R>(wide, scores);
+    Step::template accumulate<R>(wide, scores);
   }
 
   /// out[j * D + d] = the fp16 bits of in[j * stride + d] for j < n, d < D
@@ -339,14 +347,9 @@ struct Avx2Decode {
     }
   }
 
-  /// [sum of v[0], ..., sum of v[3]]: the four rows' dot products of one
-  /// key, reduced with unpacks and shuffles: beside FMAs on Zen 3 each
-  /// costs ~0.1 cycle, a vhaddps ~0.7 and a vperm2f128 ~0.5 (bench/NOTES.md).
+  /// [sum of v[0], ..., sum of v[3]]: the four rows' dot products of one key.
   PAGEDKV_TARGET_AVX2 static __m128 sum_rows(const __m256 (&v)[kRows]) noexcept {
-    const __m256 s01 = _mm256_add_ps(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1]));
-    const __m256 s23 = _mm256_add_ps(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3]));
-    const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(s01, s23, 0x44), _mm256_shuffle_ps(s01, s23, 0xEE));
-    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    return Avx2::sum4(v[0], v[1], v[2], v[3]);
   }
 
   /// The online softmax over the step's keys, every row at once: new

@@ -80,6 +80,8 @@ struct Problem {
   int64_t n_queries;  // Sq
   int64_t n_heads;    // query heads
   int64_t group;      // n_heads / n_kv_heads
+  // cppcheck-suppress unusedStructMember
+  bool wide_decode_step;  // the AVX-512 path's decode step is the 512-bit one (decode.hpp)
 };
 
 /// Per-thread buffers, kept between calls (at::parallel_for's threads
@@ -556,8 +558,10 @@ void paged_attention_cpu_impl(const AnyPageTableRef& table,         // [B, max_p
   const int64_t group = n_heads / g.n_heads;
   const Plan p = plan(lengths, n_queries, group, g.n_heads, at::get_num_threads());
   std::vector<float> partials(static_cast<size_t>(p.partial_rows * (g.head_dim + 2)));
-  const Problem<T> pr{table, lengths.data(), q, q_given, scale, out, k, v, partials.data(), g, n_queries, n_heads, group};
-  const Isa isa = selected_isa();  // decided on the calling thread (ScopedIsa is per thread)
+  const Isa isa = selected_isa();  // decided on the calling thread (ScopedIsa is per thread), as is
+  const bool wide_decode_step = isa == Isa::avx512 && takes_wide_decode_step();  // (ScopedDecodeStep)
+  const Problem<T> pr{table, lengths.data(), q, q_given, scale, out, k, v, partials.data(), g, n_queries, n_heads, group,
+                      wide_decode_step};
   at::parallel_for(0, static_cast<int64_t>(p.work.size()), 1, [&](int64_t begin, int64_t end) {
     run_items_with(isa, pr, p, begin, end);
   });
