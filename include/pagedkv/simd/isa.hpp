@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <vector>
 
 #include "pagedkv/simd/isa_avx2.hpp"
@@ -105,7 +106,7 @@ __attribute__((target("avx512f,avx2,fma"))) inline double best_fma512_seconds() 
 
 /// Whether a 512-bit FMA does about twice the work of a 256-bit one on
 /// this core: 2^23 multiply-adds on 12 independent chains ran at least 1.5x
-/// as fast in 512-bit vectors (best of three each, ~2 ms once per process,
+/// as fast in 512-bit vectors (best of three each, 3-4 ms once per process,
 /// on the first caller's core). Cores with two 512-bit FMA pipes (most
 /// Xeons since Skylake-SP) give ~2x; cores that split a 512-bit FMA in two
 /// (Zen 4) or have one 512-bit pipe give ~1x, so the margin keeps a noisy

@@ -12,8 +12,9 @@
 // over its steps. The AVX-512 path takes the AVX2 step too (below), with
 // bf16 scores by dot products where the CPU has AVX-512 BF16
 // (decode_avx512_bf16.hpp), or, where a 512-bit FMA does twice the work of
-// a 256-bit one, the 512-bit step (decode_avx512.hpp). Every other call (prefill, K and V in different
-// formats, the portable path) takes the general item loop in kernel.hpp.
+// a 256-bit one, the 512-bit step (decode_avx512.hpp). Every other call
+// (prefill, K and V in different formats, the portable path) takes the
+// general item loop in kernel.hpp.
 // bench/NOTES.md, "A decode path for AVX2", has what it gained and why;
 // "Quantized pages take the decode step", what codes gained.
 #pragma once
