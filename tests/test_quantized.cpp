@@ -72,18 +72,17 @@ void write_prefixes(Cache& cache, const at::Tensor& table, const std::vector<int
   }
 }
 
-/// paged_attention over layer 0 on vector path `isa`, as float32.
-template <class View>
-at::Tensor attention_on(Isa isa, const View& view, const at::Tensor& q) {
-  const ScopedIsa scoped(isa);
-  return pagedkv::paged_attention(view, 0, q).to(at::kFloat);
-}
-
 /// paged_attention over layer 0 on kernel path `path`, as float32.
 template <class View>
 at::Tensor attention_on(const KernelPath& path, const View& view, const at::Tensor& q) {
   const ScopedKernelPath scoped(path);
   return pagedkv::paged_attention(view, 0, q).to(at::kFloat);
+}
+
+/// The same on instruction set `isa`, with the decode step its CPU picks.
+template <class View>
+at::Tensor attention_on(Isa isa, const View& view, const at::Tensor& q) {
+  return attention_on(KernelPath{isa, pagedkv::attention_kernels::DecodeStep::best}, view, q);
 }
 
 /// |gathered - x| within the contract's per-element bound for `format`,

@@ -321,8 +321,7 @@ struct Avx2Decode {
     const int64_t D = st.head_dim;
     const float* const q = st.q;
     const E* key[K];
-    key[0] = st.keys + j * st.stride;
-    for (int k = 1; k < K; ++k) key[k] = j + k < st.n ? key[k - 1] + st.stride : key[k - 1];
+    pass_keys(st, j, key);
     __m256 acc[K][kRows];
     for (int k = 0; k < K; ++k)
       for (int r = 0; r < kRows; ++r) acc[k][r] = _mm256_setzero_ps();
@@ -335,16 +334,32 @@ struct Avx2Decode {
         for (int k = 0; k < K; ++k) acc[k][r] = _mm256_fmadd_ps(x[k], q_d, acc[k][r]);
       }
     }
-    for (int k = 0; k < K; ++k) {
-      __m128 s = sum_rows(acc[k]);
-      if constexpr (kIsCode<E>) {
-        // q . key = scale x unit x (q . codes); a pair past the last key (a
-        // copy of key j) takes key j's scale, not one past the run's.
-        const int64_t jk = std::min(j + k, st.n - 1);
-        s = _mm_mul_ps(s, _mm_set1_ps(st.k_scales[jk * st.scale_stride] * kCodeUnit<E>));
-      }
-      _mm_store_ps(out + k * kRows, s);
+    for (int k = 0; k < K; ++k) store_scores(st, j, k, sum_rows(acc[k]), out);
+  }
+
+  /// The K keys of a score pass from key j on, `stride` apart; a pair past
+  /// the last key (j + 1 == n) reads key j twice. Every step's score_keys.
+  template <int K, class E>
+  PAGEDKV_TARGET_AVX2 __attribute__((always_inline)) static inline void pass_keys(const Operands<E>& st, int64_t j,
+                                                                                  const E* (&key)[K]) noexcept {
+    key[0] = st.keys + j * st.stride;
+    for (int k = 1; k < K; ++k) key[k] = j + k < st.n ? key[k - 1] + st.stride : key[k - 1];
+  }
+
+  /// out[k * 4 + r] = the score of key j + k against row r, from `sums`,
+  /// the four rows' dot products with its elements: on codes times the
+  /// key's scale (q . key = scale x unit x (q . codes)), where a pair past
+  /// the last key (a copy of key j) takes key j's scale, not one past the
+  /// run's. Every FMA step's score_keys.
+  template <class E>
+  PAGEDKV_TARGET_AVX2 __attribute__((always_inline)) static inline void store_scores(const Operands<E>& st, int64_t j,
+                                                                                     int k, __m128 sums,
+                                                                                     float* out) noexcept {
+    if constexpr (kIsCode<E>) {
+      const int64_t jk = std::min(j + k, st.n - 1);
+      sums = _mm_mul_ps(sums, _mm_set1_ps(st.k_scales[jk * st.scale_stride] * kCodeUnit<E>));
     }
+    _mm_store_ps(out + k * kRows, sums);
   }
 
   /// [sum of v[0], ..., sum of v[3]]: the four rows' dot products of one key.

@@ -90,8 +90,7 @@ struct Avx512Decode : Avx2Decode {
     const int64_t D = st.head_dim;
     const float* const q = st.q;
     const E* key[K];
-    key[0] = st.keys + j * st.stride;
-    for (int k = 1; k < K; ++k) key[k] = j + k < st.n ? key[k - 1] + st.stride : key[k - 1];
+    pass_keys(st, j, key);
     __m512 acc[K][kRows];
     for (int k = 0; k < K; ++k)
       for (int r = 0; r < kRows; ++r) acc[k][r] = _mm512_setzero_ps();
@@ -103,14 +102,7 @@ struct Avx512Decode : Avx2Decode {
         for (int k = 0; k < K; ++k) acc[k][r] = _mm512_fmadd_ps(x[k], q_d, acc[k][r]);
       }
     }
-    for (int k = 0; k < K; ++k) {
-      __m128 s = Avx512::sum4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]);
-      if constexpr (kIsCode<E>) {
-        const int64_t jk = std::min(j + k, st.n - 1);  // a pair past the last key: key j's scale
-        s = _mm_mul_ps(s, _mm_set1_ps(st.k_scales[jk * st.scale_stride] * kCodeUnit<E>));
-      }
-      _mm_store_ps(out + k * kRows, s);
-    }
+    for (int k = 0; k < K; ++k) store_scores(st, j, k, Avx512::sum4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]), out);
   }
 
   /// acc[r] += sum_j weights[j * 4 + r] * value j: 32 of D at a time (two

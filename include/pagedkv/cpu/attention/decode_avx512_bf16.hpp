@@ -51,8 +51,7 @@ struct Avx512Bf16Decode : Avx2Decode {
     const int64_t D = st.head_dim;
     const c10::BFloat16* const q = st.q_given;  // [R, D]
     const c10::BFloat16* key[K];
-    key[0] = st.keys + j * st.stride;
-    for (int k = 1; k < K; ++k) key[k] = j + k < st.n ? key[k - 1] + st.stride : key[k - 1];
+    pass_keys(st, j, key);
     __m256 acc[K][kRows];
     for (int k = 0; k < K; ++k)
       for (int r = 0; r < kRows; ++r) acc[k][r] = _mm256_setzero_ps();
