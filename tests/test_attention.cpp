@@ -8,6 +8,10 @@
 #include <c10/util/Half.h>
 #include <gtest/gtest.h>
 
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -378,6 +382,28 @@ TEST_P(AttentionTest, LongContextsSplitAcrossThreadsMatch) {
     }
   }
   at::set_num_threads(previous);
+}
+
+// AMD family 25 (Zen 3, Zen 4) has no core with two 512-bit FMA pipes: Zen 4
+// splits a 512-bit FMA in two, and there the 512-bit decode step is 1.07-1.3x
+// slower. cpu_has_wide_fmas once said yes on Zen 4 when built with -O3: its
+// twelve timed chains started equal, g++ merged them into one, and the
+// timing measured latency (a ratio of exactly 2) instead of throughput.
+TEST(AttentionPaths, NoWideFmasOnAmdFamily25) {
+#if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  ASSERT_NE(__get_cpuid(0, &eax, &ebx, &ecx, &edx), 0);
+  char vendor[13] = {};
+  std::memcpy(vendor, &ebx, 4);
+  std::memcpy(vendor + 4, &edx, 4);
+  std::memcpy(vendor + 8, &ecx, 4);
+  ASSERT_NE(__get_cpuid(1, &eax, &ebx, &ecx, &edx), 0);
+  const unsigned family = ((eax >> 8) & 0xF) + (((eax >> 8) & 0xF) == 0xF ? (eax >> 20) & 0xFF : 0);
+  if (std::strcmp(vendor, "AuthenticAMD") != 0 || family != 25) GTEST_SKIP() << "not AMD family 25 (" << vendor << ")";
+  EXPECT_FALSE(pagedkv::attention_kernels::cpu_has_wide_fmas());
+#else
+  GTEST_SKIP() << "no AVX-512 path in this build";
+#endif
 }
 
 // Which decode step each vector path takes (bench/report prints it beside

@@ -69,34 +69,38 @@ namespace detail {
 /// Multiply-adds per timed pass of cpu_has_wide_fmas (~0.3 ms at 256 bits).
 constexpr int64_t kTimedMultiplyAdds = int64_t{1} << 23;
 
-/// The fastest of three passes of kTimedMultiplyAdds as 256-bit FMAs on 12
-/// dependent chains (acc * c + d converges to 1: no overflow, no subnormals).
-__attribute__((target("avx2,fma"))) inline double best_fma256_seconds() {
-  double best = 1e30;
-  for (int pass = 0; pass < 3; ++pass) {
-    const __m256 c = _mm256_set1_ps(0.999f), d = _mm256_set1_ps(0.001f);
-    __m256 acc[12];
-    for (__m256& a : acc) a = d;
-    const auto start = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < kTimedMultiplyAdds / (12 * 8); ++i)
-      for (__m256& a : acc) a = _mm256_fmadd_ps(a, c, d);
-    for (const __m256& a : acc) __asm__ volatile("" : : "x"(a));  // the chains are used
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-  }
-  return best;
+// The timed loop's two operations per width: the same loop below serves
+// both, so that the comparison is between widths and nothing else.
+__attribute__((target("avx512f,avx2,fma"))) inline void splat(float x, __m256& v) { v = _mm256_set1_ps(x); }
+__attribute__((target("avx512f,avx2,fma"))) inline void splat(float x, __m512& v) { v = _mm512_set1_ps(x); }
+__attribute__((target("avx512f,avx2,fma"))) inline __m256 fma_step(__m256 a, __m256 b, __m256 c) {
+  return _mm256_fmadd_ps(a, b, c);
+}
+__attribute__((target("avx512f,avx2,fma"))) inline __m512 fma_step(__m512 a, __m512 b, __m512 c) {
+  return _mm512_fmadd_ps(a, b, c);
 }
 
-/// The same multiply-adds as 512-bit FMAs.
-__attribute__((target("avx512f,avx2,fma"))) inline double best_fma512_seconds() {
+/// The fastest of three passes of kTimedMultiplyAdds as FMAs of Vec
+/// (__m256 or __m512) on 12 dependent chains (acc * c + d converges to 1:
+/// no overflow, no subnormals). AVX-512 CPUs only (cpu_has_wide_fmas).
+/// The chains start from different values: started equal, g++ -O3 merged
+/// them into one, and the passes timed one chain's latency (a ratio of
+/// exactly 2 on Zen 4) instead of the pipes' throughput.
+template <class Vec>
+__attribute__((target("avx512f,avx2,fma"))) double best_fma_seconds() {
+  constexpr int64_t kLanes = static_cast<int64_t>(sizeof(Vec) / sizeof(float));
   double best = 1e30;
   for (int pass = 0; pass < 3; ++pass) {
-    const __m512 c = _mm512_set1_ps(0.999f), d = _mm512_set1_ps(0.001f);
-    __m512 acc[12];
-    for (__m512& a : acc) a = d;
+    Vec c, d, acc[12];
+    splat(0.999f, c);
+    splat(0.001f, d);
+    for (int i = 0; i < 12; ++i) splat(static_cast<float>(i), acc[i]);
     const auto start = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < kTimedMultiplyAdds / (12 * 16); ++i)
-      for (__m512& a : acc) a = _mm512_fmadd_ps(a, c, d);
-    for (const __m512& a : acc) __asm__ volatile("" : : "v"(a));
+    for (int64_t i = 0; i < kTimedMultiplyAdds / (12 * kLanes); ++i) {
+#pragma GCC unroll 12  // the chains in registers at -O2 too (not unrolled, they stayed in memory)
+      for (Vec& a : acc) a = fma_step(a, c, d);
+    }
+    for (const Vec& a : acc) __asm__ volatile("" : : "v"(a));  // the chains are used
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return best;
@@ -106,17 +110,17 @@ __attribute__((target("avx512f,avx2,fma"))) inline double best_fma512_seconds() 
 
 /// Whether a 512-bit FMA does about twice the work of a 256-bit one on
 /// this core: 2^23 multiply-adds on 12 independent chains ran at least 1.5x
-/// as fast in 512-bit vectors (best of three each, 3-4 ms once per process,
+/// as fast in 512-bit vectors (best of three each, 1.2-1.5 ms once per process,
 /// on the first caller's core). Cores with two 512-bit FMA pipes (most
 /// Xeons since Skylake-SP) give ~2x; cores that split a 512-bit FMA in two
 /// (Zen 4) or have one 512-bit pipe give ~1x, so the margin keeps a noisy
-/// timing from changing the answer (Zen 4: 1.07-1.25x). The AVX-512
+/// timing from changing the answer (Zen 4: 1.00x, both at peak). The AVX-512
 /// path's decode step follows it (cpu/attention/decode.hpp).
 inline bool cpu_has_wide_fmas() {
 #ifdef PAGEDKV_ATTENTION_AVX512
   static const bool wide = cpu_has_avx512() && [] {
-    detail::best_fma512_seconds();  // a first 512-bit pass: cores that power up their 512-bit units on use
-    return detail::best_fma256_seconds() >= 1.5 * detail::best_fma512_seconds();
+    detail::best_fma_seconds<__m512>();  // a first 512-bit pass: cores that power up their 512-bit units on use
+    return detail::best_fma_seconds<__m256>() >= 1.5 * detail::best_fma_seconds<__m512>();
   }();
   return wide;
 #else
