@@ -46,10 +46,11 @@ struct AttentionSpec {
 /// dot products (two multiply-adds per lane and instruction; the AVX2 step
 /// of the AVX-512 path, not its 512-bit step).
 bool fma_limits(const AttentionSpec& spec) {
-  namespace ak = pagedkv::attention_kernels;
+  namespace simd = pagedkv::simd;
+  namespace cpu_attention = pagedkv::cpu::attention;
   const bool dots = spec.dtype == at::kBFloat16 && !pagedkv::is_quantized(spec.quant) &&
-                    ak::selected_isa() == ak::Isa::avx512 && ak::cpu_has_avx512_bf16() &&
-                    !ak::takes_wide_decode_step();
+                    simd::selected_isa() == simd::Isa::avx512 && simd::cpu_has_avx512_bf16() &&
+                    !cpu_attention::takes_wide_decode_step();
   return FmaLimit::available() && !dots;
 }
 
@@ -239,9 +240,10 @@ const bool registered = [] {
   if (!cpu.microarchitecture.empty()) {
     benchmark::AddCustomContext("pagedkv_cpu_microarchitecture", cpu.microarchitecture);
   }
-  namespace ak = pagedkv::attention_kernels;
-  benchmark::AddCustomContext("pagedkv_attention_isa", ak::isa_name(ak::selected_isa()));
-  const char* decode_step = ak::decode_step_isa_name(ak::selected_isa());
+  namespace simd = pagedkv::simd;
+  namespace cpu_attention = pagedkv::cpu::attention;
+  benchmark::AddCustomContext("pagedkv_attention_isa", simd::isa_name(simd::selected_isa()));
+  const char* decode_step = cpu_attention::decode_step_isa_name(simd::selected_isa());
   benchmark::AddCustomContext("pagedkv_attention_decode_step", decode_step != nullptr ? decode_step : "none");
   register_layout<NHD>("NHD");
   register_layout<HND>("HND");

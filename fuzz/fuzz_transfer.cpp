@@ -32,7 +32,7 @@
 
 namespace {
 
-namespace w = pagedkv::transfer_wire;
+namespace w = pagedkv::transfer::wire;
 
 [[noreturn]] void fail(const std::string& why) {
   std::fprintf(stderr, "pagedkv fuzz_transfer failure: %s\n", why.c_str());
@@ -96,7 +96,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   cache.alloc();  // page 0 held: the fresh pages start at 1
   ScriptedGroup group;
   // 7 tokens of heads [1, 3): a header the receiver accepts.
-  group.header = pagedkv::transfer_detail::header_words(sender, 3, 7, /*transfer_id=*/5, pagedkv::HeadRange{1, 3});
+  group.header = pagedkv::transfer::header_words(sender, 3, 7, /*transfer_id=*/5, pagedkv::HeadRange{1, 3});
   for (size_t at = 1; at + 9 <= size; at += 9) {
     const size_t word = data[at] % static_cast<size_t>(w::kHeaderWords);
     int64_t value = 0;

@@ -13,7 +13,7 @@
 //   every ref_count and n_free bit-identical to before;
 // - results (alloc ids, ref counts, gathered K/V) equal the model's; for a
 //   quantized side the model applies the library's scalar codec
-//   (quant::quantize_loop) to each written (token, head) vector, so it
+//   (cpu::quant::quantize_loop) to each written (token, head) vector, so it
 //   predicts codes, scales and hence gathered values bit for bit (the
 //   vector paths are tested bit-identical to the scalar one);
 // - every check_every calls: PagedCache::check() and the whole K/V storage
@@ -173,20 +173,20 @@ inline float quantize_head(pagedkv::KVFormat f, const float* x,  // [n]
                            int64_t n, int64_t* codes) {          // [n]
   if (f == pagedkv::KVFormat::fp8_e4m3) {
     std::vector<uint8_t> c(static_cast<size_t>(n));
-    const float scale = pagedkv::quant::quantize_loop<pagedkv::KVFormat::fp8_e4m3>(x, n, c.data());
+    const float scale = pagedkv::cpu::quant::quantize_loop<pagedkv::KVFormat::fp8_e4m3>(x, n, c.data());
     std::copy(c.begin(), c.end(), codes);
     return scale;
   }
   std::vector<int8_t> c(static_cast<size_t>(n));
-  const float scale = pagedkv::quant::quantize_loop<pagedkv::KVFormat::int8>(x, n, c.data());
+  const float scale = pagedkv::cpu::quant::quantize_loop<pagedkv::KVFormat::int8>(x, n, c.data());
   std::copy(c.begin(), c.end(), codes);
   return scale;
 }
 
 /// decode(code) * scale, in float32 as the library dequantizes.
 inline float dequantize(pagedkv::KVFormat f, int64_t code, float scale) {
-  return f == pagedkv::KVFormat::fp8_e4m3 ? pagedkv::quant::decode_e4m3(static_cast<uint8_t>(code)) * scale
-                                          : pagedkv::quant::decode_int8(static_cast<int8_t>(code)) * scale;
+  return f == pagedkv::KVFormat::fp8_e4m3 ? pagedkv::cpu::quant::decode_e4m3(static_cast<uint8_t>(code)) * scale
+                                          : pagedkv::cpu::quant::decode_int8(static_cast<int8_t>(code)) * scale;
 }
 
 /// The reference model: ref counts and the stored K/V [L, N, P, H, D] (the
@@ -513,7 +513,7 @@ class Runner {
           if (!model_.known[model_.slot(l, p, o)]) continue;
           for (int64_t h = 0; h < model_.n_heads; ++h) {
             const size_t i = model_.head(l, p, o, h);
-            if (pagedkv::quant::float_bits(data[i]) != pagedkv::quant::float_bits(want[i]))
+            if (pagedkv::cpu::quant::float_bits(data[i]) != pagedkv::cpu::quant::float_bits(want[i]))
               fail(side, " scale differs from the model at layer ", l, " page ", p, " offset ", o, " head ", h, ": ",
                    data[i], ", model ", want[i]);
           }

@@ -563,7 +563,7 @@ class SequenceRunner {
   float written_value(uint64_t index) const {
     const uint32_t bits = seq_detail::value_bits(index, half_);
     return half_ ? static_cast<float>(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits()))
-                 : pagedkv::quant::bits_float(bits);
+                 : pagedkv::cpu::quant::bits_float(bits);
   }
 
   /// The bits gather returns for element e of a token's layer and side: the
@@ -580,7 +580,7 @@ class SequenceRunner {
     std::vector<int64_t> codes(static_cast<size_t>(D));
     const float scale = detail::quantize_head(format, head.data(), D, codes.data());
     const float value = detail::dequantize(format, codes[static_cast<size_t>(e - first)], scale);
-    return half_ ? c10::Half(value).x : pagedkv::quant::float_bits(value);
+    return half_ ? c10::Half(value).x : pagedkv::cpu::quant::float_bits(value);
   }
 
   /// Gathers every live resident sequence of each table (holders included)

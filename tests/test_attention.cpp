@@ -61,9 +61,9 @@ double tolerance(at::ScalarType dtype) { return dtype == at::kFloat ? 1e-5 : 2e-
 class AttentionTest : public TargetTest {};
 
 /// The instruction sets this machine runs, and `best` (what an engine gets).
-std::vector<pagedkv::attention_kernels::Isa> isas_to_test() {
-  auto isas = pagedkv::attention_kernels::available_isas();
-  isas.push_back(pagedkv::attention_kernels::Isa::best);
+std::vector<pagedkv::simd::Isa> isas_to_test() {
+  auto isas = pagedkv::simd::available_isas();
+  isas.push_back(pagedkv::simd::Isa::best);
   return isas;
 }
 
@@ -120,7 +120,7 @@ struct Filled {
 
 TEST(AttentionKernels, HalfConversionIsBitIdenticalToC10) {
   for (uint32_t bits = 0; bits <= 0xFFFF; ++bits) {
-    const float ours = pagedkv::attention_kernels::half_to_float(static_cast<uint16_t>(bits));
+    const float ours = pagedkv::simd::half_to_float(static_cast<uint16_t>(bits));
     const float theirs = static_cast<float>(c10::Half(static_cast<uint16_t>(bits), c10::Half::from_bits()));
     uint32_t a, b;
     std::memcpy(&a, &ours, 4);
@@ -130,7 +130,7 @@ TEST(AttentionKernels, HalfConversionIsBitIdenticalToC10) {
 }
 
 TEST(AttentionKernels, PlanSplitsLongContextsAcrossThreads) {
-  using pagedkv::attention_kernels::plan;
+  using pagedkv::cpu::attention::plan;
   // Decode, B = 1 x 32k tokens, 8 kv heads (one item takes all 8), 16 threads:
   // split into at least one piece per thread, covering [0, 32768) in order.
   const auto p = plan({32768}, 1, 4, 8, 16);
@@ -157,7 +157,7 @@ TEST(AttentionKernels, PlanSplitsLongContextsAcrossThreads) {
 }
 
 TEST(AttentionKernels, ReadAheadChunksAreWholeScorePassesOfAtMost8Rows) {
-  using pagedkv::attention_kernels::read_ahead_chunk;
+  using pagedkv::cpu::attention::read_ahead_chunk;
   EXPECT_EQ(read_ahead_chunk(128, 2), 8);   // fp16 x 128: 256-byte vectors, 2 KiB
   EXPECT_EQ(read_ahead_chunk(128, 1), 8);   // fp8 / int8 codes: 16 would fit, 8 read faster
   EXPECT_EQ(read_ahead_chunk(128, 4), 4);   // float32
@@ -169,7 +169,7 @@ TEST(AttentionKernels, ReadAheadChunksAreWholeScorePassesOfAtMost8Rows) {
       const int64_t chunk = read_ahead_chunk(head_dim, elem_size);
       EXPECT_TRUE(chunk == 4 || chunk == 8) << head_dim << " x " << elem_size << ": " << chunk;
       if (chunk > 4) {
-        EXPECT_LE(chunk * head_dim * elem_size, pagedkv::attention_kernels::kPrefetchChunkBytes);
+        EXPECT_LE(chunk * head_dim * elem_size, pagedkv::cpu::attention::kPrefetchChunkBytes);
       }
     }
   }
@@ -179,7 +179,7 @@ TEST(AttentionKernels, ReadAheadChunksAreWholeScorePassesOfAtMost8Rows) {
 // the one next_in_block names: both must agree on one sequence that visits
 // every (head, chunk) once, chunk by chunk where token_major.
 TEST(AttentionKernels, PieceOrderVisitsEveryPieceOnceAndNamesTheNext) {
-  using pagedkv::attention_kernels::PieceOrder;
+  using pagedkv::cpu::attention::PieceOrder;
   for (const bool token_major : {false, true}) {
     for (const int64_t heads : {1, 3, 8}) {
       for (const int64_t n : {1, 7, 8, 9, 32}) {
@@ -241,13 +241,13 @@ TEST_P(AttentionTest, MatchesFloat64ReferenceAcrossShapes) {
               Filled<L> f(lens, page_size, kv_heads, head_dim, opts(dtype), index, ++seed);
               const at::Tensor q = at::randn({3, n_queries, kv_heads * group, head_dim}, at::kFloat).to(opts(dtype));
               const auto view = f.cache.bind(f.page_table, f.lengths);
-              const pagedkv::attention_kernels::ScopedIsa scoped_isa(isa);
+              const pagedkv::simd::ScopedIsa scoped_isa(isa);
               const at::Tensor out = paged_attention(view, 1, q);
               const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
               const double err = rel_error(out, reference(q, f.k, f.v, scale));
               EXPECT_LT(err, tolerance(dtype)) << L::name << " " << dtype << " P=" << page_size << " G=" << group
                                                << " Sq=" << n_queries << " index=" << index << " D=" << head_dim
-                                               << " isa=" << pagedkv::attention_kernels::isa_name(isa);
+                                               << " isa=" << pagedkv::simd::isa_name(isa);
               EXPECT_EQ(out.sizes(), q.sizes());
               EXPECT_EQ(out.scalar_type(), dtype);
               EXPECT_EQ(out.device(), q.device());
@@ -266,8 +266,8 @@ TEST_P(AttentionTest, MatchesFloat64ReferenceAcrossShapes) {
 // head_dims (the masked / scalar tails), both layouts (in place reads of
 // NHD's strided rows and HND's runs) and every dtype.
 TEST_P(AttentionTest, VectorPathsAgreeWithThePortableLoops) {
-  using pagedkv::attention_kernels::Isa;
-  using pagedkv::attention_kernels::ScopedIsa;
+  using pagedkv::simd::Isa;
+  using pagedkv::simd::ScopedIsa;
   const std::vector<KernelPath> paths = vector_kernel_paths();
   if (paths.empty()) GTEST_SKIP() << "this CPU runs no vector path (neither AVX2 nor AVX-512)";
   if (GetParam().backend == pagedkv::Backend::generic || GetParam().device != at::kCPU)
@@ -337,7 +337,7 @@ TEST_P(AttentionTest, ChunkedPrefillOnTopOfAPrefixWrittenThroughTheView) {
 // same way (test_quantized).
 TEST_P(AttentionTest, EightKvHeadsInOneItemMatchReference) {
   for (auto isa : isas_to_test()) {
-    const pagedkv::attention_kernels::ScopedIsa scoped_isa(isa);
+    const pagedkv::simd::ScopedIsa scoped_isa(isa);
     for (at::ScalarType dtype : {at::kHalf, at::kBFloat16}) {
       for (int64_t group : {4, 8}) {
         for (int64_t n_queries : {1, 2}) {
@@ -349,7 +349,7 @@ TEST_P(AttentionTest, EightKvHeadsInOneItemMatchReference) {
             const double scale = 1.0 / std::sqrt(128.0);
             EXPECT_LT(rel_error(out, reference(q, f.k, f.v, scale)), tolerance(dtype))
                 << L::name << " " << dtype << " G=" << group << " Sq=" << n_queries
-                << " isa=" << pagedkv::attention_kernels::isa_name(isa);
+                << " isa=" << pagedkv::simd::isa_name(isa);
           });
         }
       }
@@ -363,7 +363,7 @@ TEST_P(AttentionTest, LongContextsSplitAcrossThreadsMatch) {
   const int previous = at::get_num_threads();
   at::set_num_threads(4);
   for (auto isa : isas_to_test()) {
-    const pagedkv::attention_kernels::ScopedIsa scoped_isa(isa);
+    const pagedkv::simd::ScopedIsa scoped_isa(isa);
     for (at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
       for_each_layout([&](auto layout) {
         using L = decltype(layout);
@@ -400,7 +400,7 @@ TEST(AttentionPaths, NoWideFmasOnAmdFamily25) {
   ASSERT_NE(__get_cpuid(1, &eax, &ebx, &ecx, &edx), 0);
   const unsigned family = ((eax >> 8) & 0xF) + (((eax >> 8) & 0xF) == 0xF ? (eax >> 20) & 0xFF : 0);
   if (std::strcmp(vendor, "AuthenticAMD") != 0 || family != 25) GTEST_SKIP() << "not AMD family 25 (" << vendor << ")";
-  EXPECT_FALSE(pagedkv::attention_kernels::cpu_has_wide_fmas());
+  EXPECT_FALSE(pagedkv::simd::cpu_has_wide_fmas());
 #else
   GTEST_SKIP() << "no AVX-512 path in this build";
 #endif
@@ -413,10 +413,10 @@ TEST(AttentionPaths, NoWideFmasOnAmdFamily25) {
 // where a 512-bit FMA does twice the work of a 256-bit one
 // (cpu_has_wide_fmas), or where a ScopedDecodeStep asks for it.
 TEST(AttentionPaths, DecodeStepOfEachPath) {
-  using pagedkv::attention_kernels::decode_step_isa_name;
-  using pagedkv::attention_kernels::DecodeStep;
-  using pagedkv::attention_kernels::Isa;
-  using pagedkv::attention_kernels::ScopedDecodeStep;
+  using pagedkv::cpu::attention::decode_step_isa_name;
+  using pagedkv::cpu::attention::DecodeStep;
+  using pagedkv::simd::Isa;
+  using pagedkv::cpu::attention::ScopedDecodeStep;
   EXPECT_EQ(decode_step_isa_name(Isa::portable), nullptr);
 #ifdef PAGEDKV_ATTENTION_AVX2
   EXPECT_STREQ(decode_step_isa_name(Isa::avx2), "avx2");
@@ -426,14 +426,14 @@ TEST(AttentionPaths, DecodeStepOfEachPath) {
   }
 #endif
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
-  const char* narrow = pagedkv::attention_kernels::cpu_has_avx512_bf16() ? "avx2, bf16 scores by avx512_bf16" : "avx2";
+  const char* narrow = pagedkv::simd::cpu_has_avx512_bf16() ? "avx2, bf16 scores by avx512_bf16" : "avx2";
   EXPECT_STREQ(decode_step_isa_name(Isa::avx512),
-               pagedkv::attention_kernels::cpu_has_wide_fmas() ? "avx512" : narrow);
+               pagedkv::simd::cpu_has_wide_fmas() ? "avx512" : narrow);
   {
     const ScopedDecodeStep forced(DecodeStep::avx2);
     EXPECT_STREQ(decode_step_isa_name(Isa::avx512), narrow);
   }
-  if (pagedkv::attention_kernels::cpu_has_avx512()) {
+  if (pagedkv::simd::cpu_has_avx512()) {
     const ScopedDecodeStep forced(DecodeStep::avx512);
     EXPECT_STREQ(decode_step_isa_name(Isa::avx512), "avx512");
   }
@@ -455,7 +455,7 @@ TEST_P(AttentionTest, DecodeStepsMatchReferenceAcrossPagesAndSplits) {
   at::set_num_threads(4);
   uint64_t seed = 700;
   for (auto isa : isas_to_test()) {
-    const pagedkv::attention_kernels::ScopedIsa scoped_isa(isa);
+    const pagedkv::simd::ScopedIsa scoped_isa(isa);
     for (at::ScalarType dtype : {at::kFloat, at::kHalf}) {
       for (int64_t page_size : {3, 5, 16, 24}) {
         for (int64_t head_dim : {16, 24, 40, 128}) {
@@ -469,7 +469,7 @@ TEST_P(AttentionTest, DecodeStepsMatchReferenceAcrossPagesAndSplits) {
             const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
             EXPECT_LT(rel_error(out, reference(q, f.k, f.v, scale)), tolerance(dtype))
                 << L::name << " " << dtype << " P=" << page_size << " D=" << head_dim << " H=" << kv_heads
-                << " G=" << group << " isa=" << pagedkv::attention_kernels::isa_name(isa);
+                << " G=" << group << " isa=" << pagedkv::simd::isa_name(isa);
           });
         }
       }
@@ -492,7 +492,7 @@ TEST_P(AttentionTest, DecodeStepsOfEveryLength) {
   for (int64_t n = 17; n <= 32; ++n) lengths.push_back(n);
   uint64_t seed = 900;
   for (auto isa : isas_to_test()) {
-    const pagedkv::attention_kernels::ScopedIsa scoped_isa(isa);
+    const pagedkv::simd::ScopedIsa scoped_isa(isa);
     for (at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
       for (int64_t group : {3, 4}) {
         for_each_layout([&](auto layout) {
@@ -506,7 +506,7 @@ TEST_P(AttentionTest, DecodeStepsOfEveryLength) {
           for (int64_t b = 0; b < static_cast<int64_t>(lengths.size()); ++b) {
             EXPECT_LT(rel_error(out[b], expected[b]), tolerance(dtype))
                 << L::name << " " << dtype << " G=" << group << " last step of " << lengths[static_cast<size_t>(b)] - 16
-                << " keys, isa=" << pagedkv::attention_kernels::isa_name(isa);
+                << " keys, isa=" << pagedkv::simd::isa_name(isa);
           }
         });
       }

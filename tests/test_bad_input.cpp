@@ -1,4 +1,4 @@
-// Every bad input in DESIGN.md: the call throws c10::Error whose message
+// Every bad input of the API (docs/cache.md, "Bad input"): the call throws c10::Error whose message
 // names the function, the argument, what was expected and what was given,
 // and the cache and pool are exactly as before.
 #include <c10/util/Exception.h>

@@ -104,14 +104,14 @@ TEST(CudaKernelCodecs, FloatToHalfAndBf16RoundAsC10) {
 TEST(CudaKernelCodecs, Fp8AndInt8CodesAreTheCpus) {
   for (uint32_t c = 0; c < 256; ++c) {
     const float ours = pkv::decode_e4m3(static_cast<pkv_u8>(c));
-    const float theirs = pagedkv::quant::decode_e4m3(static_cast<uint8_t>(c));
+    const float theirs = pagedkv::cpu::quant::decode_e4m3(static_cast<uint8_t>(c));
     ASSERT_EQ(bits_of(ours), bits_of(theirs)) << c;
   }
   for (const uint32_t u : conversion_inputs()) {
     const float y = float_of(u);
-    ASSERT_EQ(pkv::encode_e4m3(y), pagedkv::quant::encode_e4m3(y)) << std::hex << u;
-    ASSERT_EQ(pkv::encode_int8(y), pagedkv::quant::encode_int8(y)) << std::hex << u;
-    ASSERT_EQ(static_cast<uint8_t>(pkv::encode_int8(y * 100.0f)), static_cast<uint8_t>(pagedkv::quant::encode_int8(y * 100.0f)))
+    ASSERT_EQ(pkv::encode_e4m3(y), pagedkv::cpu::quant::encode_e4m3(y)) << std::hex << u;
+    ASSERT_EQ(pkv::encode_int8(y), pagedkv::cpu::quant::encode_int8(y)) << std::hex << u;
+    ASSERT_EQ(static_cast<uint8_t>(pkv::encode_int8(y * 100.0f)), static_cast<uint8_t>(pagedkv::cpu::quant::encode_int8(y * 100.0f)))
         << std::hex << u;
   }
 }
@@ -411,8 +411,8 @@ void check_copy(KVQuant quant, at::ScalarType dtype, int64_t page_size) {
   const at::Tensor src_ids = ints({3, 7, 0, 11, 5});
   const at::Tensor dst_ids = ints({9, 2, 4, 1, 10});
   ref.copy_pages_from(src, src_ids, dst_ids);
-  const auto to_tensors = pagedkv::page_copy::page_tensors(emu);
-  const auto from_tensors = pagedkv::page_copy::page_tensors(src);
+  const auto to_tensors = pagedkv::ops::page_tensors(emu.storage());
+  const auto from_tensors = pagedkv::ops::page_tensors(src.storage());
   for (size_t i = 0; i < to_tensors.size(); ++i) {
     const at::Tensor& t = to_tensors[i].first;
     const at::Tensor& f = from_tensors[i].first;

@@ -80,7 +80,7 @@ TEST_P(Float8View, TorchDecodesEveryCodeAsPagedkvDoes) {
   const at::Tensor decoded = pagedkv::k_cache_as_float8(cache).view({-1}).narrow(0, 0, 256).to(at::kFloat).cpu();
   for (int code = 0; code < 256; ++code) {
     const float torch_value = decoded[code].item<float>();
-    const float pagedkv_value = pagedkv::quant::decode_e4m3(static_cast<uint8_t>(code));
+    const float pagedkv_value = pagedkv::cpu::quant::decode_e4m3(static_cast<uint8_t>(code));
     if (std::isnan(pagedkv_value)) {
       EXPECT_TRUE(std::isnan(torch_value)) << "code " << code << ": torch gives " << torch_value;
     } else {

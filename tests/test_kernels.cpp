@@ -1,4 +1,4 @@
-// kernels::copy_block merges contiguous runs but must copy exactly the
+// cpu::copy_block merges contiguous runs but must copy exactly the
 // same bytes whatever the strides; layouts resolve into the right strides.
 #include <gtest/gtest.h>
 
@@ -7,16 +7,16 @@
 #include <string>
 #include <vector>
 
-#include "pagedkv/kernels.hpp"
+#include "pagedkv/ops/backend.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_table.hpp"
 #include "test_support.hpp"
 
 namespace {
 
-using pagedkv::kernels::BlockShape;
-using pagedkv::kernels::BlockStrides;
-using pagedkv::kernels::copy_block;
+using pagedkv::cpu::BlockShape;
+using pagedkv::cpu::BlockStrides;
+using pagedkv::cpu::copy_block;
 using pagedkv_test::all_targets;
 using pagedkv_test::Target;
 

@@ -306,8 +306,8 @@ TEST_P(PagedCacheTest, LargeGatherStreamsItsOutputAndMatchesTheGenericPath) {
     pt[2][10] = -1;  // a hole past row 2's length
     const at::Tensor lengths = ints({T, 1000, 7 * P + 3, 0});
     const int64_t output_bytes = 2 * B * T * H * D * static_cast<int64_t>(sizeof(float));
-    if (pagedkv::kernels::kHaveStreamingStores) {
-      ASSERT_TRUE(pagedkv::kernels::use_streaming_gather(output_bytes));
+    if (pagedkv::cpu::kHaveStreamingStores) {
+      ASSERT_TRUE(pagedkv::cpu::use_streaming_gather(output_bytes));
     }
 
     const auto streamed = cache.bind(pt, lengths).gather(0);

@@ -21,8 +21,8 @@ namespace {
 using namespace pagedkv_test;
 using pagedkv::KVFormat;
 using pagedkv::KVQuant;
-using pagedkv::attention_kernels::Isa;
-using pagedkv::attention_kernels::ScopedIsa;
+using pagedkv::simd::Isa;
+using pagedkv::simd::ScopedIsa;
 
 const std::vector<KVQuant> kFormats{{KVFormat::fp8_e4m3, KVFormat::fp8_e4m3},
                                     {KVFormat::int8, KVFormat::int8},
@@ -82,7 +82,7 @@ at::Tensor attention_on(const KernelPath& path, const View& view, const at::Tens
 /// The same on instruction set `isa`, with the decode step its CPU picks.
 template <class View>
 at::Tensor attention_on(Isa isa, const View& view, const at::Tensor& q) {
-  return attention_on(KernelPath{isa, pagedkv::attention_kernels::DecodeStep::best}, view, q);
+  return attention_on(KernelPath{isa, pagedkv::cpu::attention::DecodeStep::best}, view, q);
 }
 
 /// |gathered - x| within the contract's per-element bound for `format`,
@@ -99,7 +99,7 @@ void expect_within_bounds(const at::Tensor& x,         // [N, D] the written val
   }
   const at::Tensor xf = x.cpu().to(at::kFloat);
   const at::Tensor amax = xf.abs().amax(-1, true);
-  const at::Tensor scale = (amax / at::full_like(amax, pagedkv::quant::format_max(format))).to(at::kDouble);
+  const at::Tensor scale = (amax / at::full_like(amax, pagedkv::cpu::quant::format_max(format))).to(at::kDouble);
   at::Tensor bound = format == KVFormat::fp8_e4m3 ? xd.abs() * std::ldexp(1.0, -4) + scale * std::ldexp(1.0, -10)
                                                   : scale / 2 + at::zeros_like(xd);
   const at::ScalarType dtype = x.scalar_type();
@@ -361,7 +361,7 @@ TEST(QuantizedCacheCpu, CpuKernelsAndTheGenericPathGiveIdenticalCodes) {
   });
 }
 
-/// A gather of 16 MiB or more streams its output (quant::dequantize_row's
+/// A gather of 16 MiB or more streams its output (cpu::quant::dequantize_row's
 /// streaming stores, rows of whole cache lines only): the same values as the
 /// generic path, zeros past each length and for an unmapped page.
 TEST(QuantizedCacheCpu, LargeGatherStreamsItsOutputAndMatchesTheGenericPath) {
@@ -384,8 +384,8 @@ TEST(QuantizedCacheCpu, LargeGatherStreamsItsOutputAndMatchesTheGenericPath) {
         pt[2][10] = -1;  // a hole past row 2's length
         const at::Tensor lengths = ints({T, 1000, 7 * P + 3, 0});
         const int64_t output_bytes = 2 * B * T * H * D * static_cast<int64_t>(c10::elementSize(shape.dtype));
-        if (pagedkv::kernels::kHaveStreamingStores) {
-          ASSERT_TRUE(pagedkv::kernels::use_streaming_gather(output_bytes)) << what;
+        if (pagedkv::cpu::kHaveStreamingStores) {
+          ASSERT_TRUE(pagedkv::cpu::use_streaming_gather(output_bytes)) << what;
         }
         const auto streamed = cache.bind(pt, lengths).gather(0);
         std::pair<at::Tensor, at::Tensor> generic;
@@ -434,7 +434,7 @@ TEST_P(QuantizedAttention, MatchesFloat64ReferencesOfItsOwnGatherAndOfTheOrigina
   const int64_t H = 2, D = 64, NH = 8;
   const std::vector<int64_t> lengths{600, 37};  // the long row is split across threads
   const std::vector<Isa> isas = GetParam().backend == pagedkv::Backend::automatic && GetParam().device == at::kCPU
-                                    ? pagedkv::attention_kernels::available_isas()
+                                    ? pagedkv::simd::available_isas()
                                     : std::vector<Isa>{Isa::best};
   for_each_layout([&](auto layout) {
     using L = decltype(layout);
@@ -467,14 +467,14 @@ TEST_P(QuantizedAttention, MatchesFloat64ReferencesOfItsOwnGatherAndOfTheOrigina
             ASSERT_TRUE(all_finite(out)) << what;
             // Kernel error alone: against its own (dequantized) gather.
             const double kernel_err = max_abs(out - own);
-            EXPECT_LE(kernel_err, tol) << what << " isa " << pagedkv::attention_kernels::isa_name(isa);
+            EXPECT_LE(kernel_err, tol) << what << " isa " << pagedkv::simd::isa_name(isa);
             // Quantization error: against the original K/V (values ~N(0, 1));
             // the x20 outlier channel of the keys makes int8 keys coarse (a
             // step of amax / 127 for every channel: why K may be fp8 while V
             // is int8) and fp8 keys' 2^-4 relative error moves sharp scores.
             const double quant_err = max_abs(out - exact);
             const double quant_tol = quant.k == KVFormat::int8 ? 0.5 : quant.k == KVFormat::fp8_e4m3 ? 0.2 : 0.1;
-            EXPECT_LE(quant_err, quant_tol) << what << " isa " << pagedkv::attention_kernels::isa_name(isa);
+            EXPECT_LE(quant_err, quant_tol) << what << " isa " << pagedkv::simd::isa_name(isa);
           }
           if (::testing::Test::HasFailure()) return;
         }
@@ -489,13 +489,13 @@ INSTANTIATE_TEST_SUITE_P(Targets, QuantizedAttention, ::testing::ValuesIn(all_ta
 // multiplies the scale by 2^8 (simd/convert.hpp): exact for every code
 // the encoder writes, the subnormal codes and -0 included.
 TEST(QuantizedAttentionCpu, Fp8DecodeThroughHalfIsTheCodecsDecodeOver256) {
-  using pagedkv::attention_kernels::E4m3Code;
-  using pagedkv::attention_kernels::kE4m3ViaHalfFactor;
+  using pagedkv::simd::E4m3Code;
+  using pagedkv::simd::kE4m3ViaHalfFactor;
   for (int c = 0; c < 256; ++c) {
     if ((c & 0x7F) == 0x7F) continue;  // NaN codes, never written
     const auto code = static_cast<uint8_t>(c);
-    const float via_half = pagedkv::attention_kernels::to_float32(E4m3Code{code}) * kE4m3ViaHalfFactor;
-    const float decoded = pagedkv::quant::decode_e4m3(code);
+    const float via_half = pagedkv::simd::to_float32(E4m3Code{code}) * kE4m3ViaHalfFactor;
+    const float decoded = pagedkv::cpu::quant::decode_e4m3(code);
     EXPECT_EQ(std::signbit(via_half), std::signbit(decoded)) << "code " << c;
     EXPECT_EQ(via_half, decoded) << "code " << c;
   }

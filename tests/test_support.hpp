@@ -25,14 +25,14 @@ using pagedkv::PagedCache;
 /// One vector path of the CPU attention kernel: an instruction set and, on
 /// AVX-512, the decode step it takes (cpu/attention/decode.hpp).
 struct KernelPath {
-  pagedkv::attention_kernels::Isa isa;
-  pagedkv::attention_kernels::DecodeStep step;
+  pagedkv::simd::Isa isa;
+  pagedkv::cpu::attention::DecodeStep step;
 
   /// "avx2", "avx512", "avx512 with the avx512 decode step", ...
   std::string name() const {
-    std::string name = pagedkv::attention_kernels::isa_name(isa);
-    if (step == pagedkv::attention_kernels::DecodeStep::avx2) name += " with the avx2 decode step";
-    if (step == pagedkv::attention_kernels::DecodeStep::avx512) name += " with the avx512 decode step";
+    std::string name = pagedkv::simd::isa_name(isa);
+    if (step == pagedkv::cpu::attention::DecodeStep::avx2) name += " with the avx2 decode step";
+    if (step == pagedkv::cpu::attention::DecodeStep::avx512) name += " with the avx512 decode step";
     return name;
   }
 };
@@ -40,10 +40,10 @@ struct KernelPath {
 /// Every vector path this CPU runs: AVX2, and AVX-512 with each decode
 /// step (the one its CPU picks may differ from machine to machine).
 inline std::vector<KernelPath> vector_kernel_paths() {
-  using pagedkv::attention_kernels::DecodeStep;
-  using pagedkv::attention_kernels::Isa;
+  using pagedkv::cpu::attention::DecodeStep;
+  using pagedkv::simd::Isa;
   std::vector<KernelPath> paths;
-  for (const Isa isa : pagedkv::attention_kernels::available_isas()) {
+  for (const Isa isa : pagedkv::simd::available_isas()) {
     if (isa == Isa::avx512) {
       paths.push_back({isa, DecodeStep::avx2});
       paths.push_back({isa, DecodeStep::avx512});
@@ -60,8 +60,8 @@ class ScopedKernelPath {
   explicit ScopedKernelPath(const KernelPath& path) : isa_(path.isa), step_(path.step) {}
 
  private:
-  pagedkv::attention_kernels::ScopedIsa isa_;
-  pagedkv::attention_kernels::ScopedDecodeStep step_;
+  pagedkv::simd::ScopedIsa isa_;
+  pagedkv::cpu::attention::ScopedDecodeStep step_;
 };
 
 /// Where a test runs: a device plus the kernels the cache uses there.

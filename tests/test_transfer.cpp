@@ -303,12 +303,12 @@ std::string role_recv(Group& group, const Spec& s) {
 /// A sender that sends a valid header, reads the reply, then sends only
 /// s.sent_layers of the payload messages (garbage) and dies (exit 3).
 std::string role_send_and_die(Group& group, const Spec& s) {
-  namespace w = pagedkv::transfer_wire;
+  namespace w = pagedkv::transfer::wire;
   const PagedCache<NHD> cache = sender_cache<NHD>(s);
   const std::vector<int64_t> pages = sent_pages(s);
   HeadRange heads{0, cache.n_kv_heads()};
   std::vector<at::Tensor> header{
-      ints(pagedkv::transfer_detail::header_words(cache, static_cast<int64_t>(pages.size()), s.num("tokens", 13),
+      ints(pagedkv::transfer::header_words(cache, static_cast<int64_t>(pages.size()), s.num("tokens", 13),
                                                   s.num("id", 1), heads))};
   std::vector<at::Tensor> reply{at::zeros({w::kReplyWords}, at::kLong)};
   group.send(header, 0, w::kHeaderTag)->wait(kTimeout);
@@ -325,7 +325,7 @@ std::string role_send_and_die(Group& group, const Spec& s) {
 /// A receiver that accepts a header, receives s.recv_layers payload
 /// messages and dies (exit 3).
 std::string role_recv_and_die(Group& group, const Spec& s) {
-  namespace w = pagedkv::transfer_wire;
+  namespace w = pagedkv::transfer::wire;
   std::vector<at::Tensor> header{at::zeros({w::kHeaderWords}, at::kLong)};
   group.recv(header, 0, w::kHeaderTag)->wait(kTimeout);
   std::vector<at::Tensor> reply{ints({w::kReplyMagic, w::accept, header[0][w::transfer_id].item<int64_t>(), 0})};
@@ -377,11 +377,11 @@ std::string role_recv_sequence(Group& group, const Spec& s) {
 /// A rank that sends a header of garbage (s.garbage = huge: a well-formed
 /// header, checksum included, announcing INT64_MAX tokens).
 std::string role_send_garbage(Group& group, const Spec& s) {
-  namespace w = pagedkv::transfer_wire;
+  namespace w = pagedkv::transfer::wire;
   std::vector<at::Tensor> header{at::arange(w::kHeaderWords, at::kLong)};
   if (s.str("garbage") == "huge") {
     const PagedCache<NHD> cache = sender_cache<NHD>(s);
-    std::vector<int64_t> words = pagedkv::transfer_detail::header_words(cache, 3, 13, 1, HeadRange{0, 4});
+    std::vector<int64_t> words = pagedkv::transfer::header_words(cache, 3, 13, 1, HeadRange{0, 4});
     words[w::n_tokens] = std::numeric_limits<int64_t>::max();
     words[w::n_pages] = words[w::n_tokens] / 5 + 1;
     words[w::checksum] = w::checksum_of(words.data());
@@ -403,9 +403,9 @@ std::string role_send_garbage(Group& group, const Spec& s) {
 /// rejected: a header accepted by mistake leaves the receiver waiting for a
 /// payload, which fails this role's reply wait.
 std::string role_send_mutated_headers(Group& group, const Spec& s) {
-  namespace w = pagedkv::transfer_wire;
+  namespace w = pagedkv::transfer::wire;
   const PagedCache<NHD> cache = sender_cache<NHD>(s);
-  const std::vector<int64_t> valid = pagedkv::transfer_detail::header_words(cache, 3, 13, 1, HeadRange{0, 4});
+  const std::vector<int64_t> valid = pagedkv::transfer::header_words(cache, 3, 13, 1, HeadRange{0, 4});
   std::mt19937_64 rng(static_cast<uint64_t>(s.num("seed", 1)));
   std::string error;
   for (int64_t field = 0; field < w::checksum; ++field) {
@@ -433,7 +433,7 @@ std::string role_recv_mutated_headers(Group& group, const Spec& s) {
   PagedCache<NHD> cache = receiver_cache<NHD>(s);
   const CacheSnapshot before(cache);
   std::string error;
-  for (int64_t field = 0; field < pagedkv::transfer_wire::checksum - 1; ++field) {
+  for (int64_t field = 0; field < pagedkv::transfer::wire::checksum - 1; ++field) {
     error += outcome("rejected", [&] { pagedkv::recv_pages(group, 1, cache, 1, milliseconds(3000)); });
   }
   const CacheSnapshot after(cache);
@@ -991,7 +991,7 @@ struct FakeGroup {
 
 /// The messages send_pages sends for `spec` (its reply accepted).
 std::vector<at::Tensor> recorded_transfer(const Spec& spec) {
-  namespace w = pagedkv::transfer_wire;
+  namespace w = pagedkv::transfer::wire;
   FakeGroup sender;
   sender.inbox.push_back(ints({w::kReplyMagic, w::accept, spec.num("id", 1), 0}));
   const PagedCache<NHD> cache = sender_cache<NHD>(spec);
@@ -1011,7 +1011,7 @@ TEST(TransferInProcess, ARecordedTransferRoundTrips) {
   const std::vector<int64_t> pages = pagedkv::recv_pages(receiver, 0, cache, 1, kTimeout);
   EXPECT_EQ(verify(spec, cache, pages), "");
   ASSERT_EQ(receiver.sent.size(), 1u);  // the reply
-  EXPECT_EQ(receiver.sent[0][pagedkv::transfer_wire::verdict].item<int64_t>(), pagedkv::transfer_wire::accept);
+  EXPECT_EQ(receiver.sent[0][pagedkv::transfer::wire::verdict].item<int64_t>(), pagedkv::transfer::wire::accept);
 }
 
 TEST(TransferInProcess, APeerLostAtAnyMessageLeavesTheReceiverAsItWas) {
@@ -1044,7 +1044,7 @@ TEST(TransferInProcess, APeerLostAtAnyMessageLeavesTheReceiverAsItWas) {
 }
 
 TEST(TransferInProcess, ASendFailingAtAnyStepThrowsAndLeavesTheSenderAsItWas) {
-  namespace w = pagedkv::transfer_wire;
+  namespace w = pagedkv::transfer::wire;
   Spec spec;
   const size_t n_sends = recorded_transfer(spec).size();  // header + 3 layers
   for (size_t fail_send_at = 0; fail_send_at <= n_sends; ++fail_send_at) {
@@ -1063,13 +1063,13 @@ TEST(TransferInProcess, ASendFailingAtAnyStepThrowsAndLeavesTheSenderAsItWas) {
 TEST(TransferInProcess, AHeadRangeFarOutsideIsRejectedBeforeItsWidthIsComputed) {
   // Found by fuzz/fuzz_transfer: end - begin overflowed (UBSan) before the
   // range was checked.
-  namespace w = pagedkv::transfer_wire;
+  namespace w = pagedkv::transfer::wire;
   Spec spec;
   const PagedCache<NHD> sender = sender_cache<NHD>(spec);
   for (const std::pair<int64_t, int64_t>& range :
        {std::make_pair(std::numeric_limits<int64_t>::min() + 5, int64_t{4}),
         std::make_pair(int64_t{2}, std::numeric_limits<int64_t>::min()), std::make_pair(int64_t{3}, int64_t{3})}) {
-    std::vector<int64_t> words = pagedkv::transfer_detail::header_words(sender, 3, 13, 1, HeadRange{0, 4});
+    std::vector<int64_t> words = pagedkv::transfer::header_words(sender, 3, 13, 1, HeadRange{0, 4});
     words[w::head_begin] = range.first;
     words[w::head_end] = range.second;
     words[w::checksum] = w::checksum_of(words.data());
@@ -1097,14 +1097,14 @@ Spec quantized_spec() {
 }
 
 TEST(TransferInProcess, QuantizedMessagesAreSectionsOfCodesAndScales) {
-  namespace w = pagedkv::transfer_wire;
+  namespace w = pagedkv::transfer::wire;
   const Spec spec = quantized_spec();
   // A larger transfer first leaves codes in this thread's staging buffer,
   // where the padding of the next one falls.
   recorded_transfer(quantized_spec().set("head_dim", 5));
   const std::vector<at::Tensor> messages = recorded_transfer(spec);
   ASSERT_EQ(messages.size(), 1u + 3u);  // header + one message per layer
-  const std::vector<int64_t> header = pagedkv::transfer_detail::header_words(
+  const std::vector<int64_t> header = pagedkv::transfer::header_words(
       sender_cache<NHD>(spec), 3, 13, 1, HeadRange{1, 3});
   EXPECT_EQ(header[w::k_format], 1);
   EXPECT_EQ(header[w::v_format], 2);
@@ -1149,7 +1149,7 @@ TEST(TransferInProcess, QuantizedPagesRoundTripOnEveryPathAndLayout) {
       const std::vector<int64_t> pages = pagedkv::recv_pages(receiver, 0, cache, 1, kTimeout);
       EXPECT_EQ(verify(spec, cache, pages), "") << backend << " " << L::name;
       ASSERT_EQ(receiver.sent.size(), 1u);
-      EXPECT_EQ(receiver.sent[0][pagedkv::transfer_wire::verdict].item<int64_t>(), pagedkv::transfer_wire::accept);
+      EXPECT_EQ(receiver.sent[0][pagedkv::transfer::wire::verdict].item<int64_t>(), pagedkv::transfer::wire::accept);
     });
   }
 }
@@ -1175,7 +1175,7 @@ TEST(TransferInProcess, AQuantizedReceiveFailingAtAnyMessageLeavesCodesAndScales
 }
 
 TEST(TransferInProcess, FormatsThatDifferAreRejectedNamingBoth) {
-  namespace w = pagedkv::transfer_wire;
+  namespace w = pagedkv::transfer::wire;
   const Spec spec = quantized_spec();
   const std::vector<at::Tensor> messages = recorded_transfer(spec);
   const std::vector<std::pair<std::string, std::string>> receivers{

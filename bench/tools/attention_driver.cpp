@@ -52,17 +52,17 @@ void run(int64_t batch, int64_t tokens, at::ScalarType dtype, pagedkv::KVFormat 
   const at::Tensor lengths = at::full({batch}, tokens, at::kLong);
   const char* isa_env = std::getenv("ISA");
   const std::string isa = isa_env ? isa_env : "best";
-  const pagedkv::attention_kernels::Isa chosen = isa == "avx2" ? pagedkv::attention_kernels::Isa::avx2
-                              : isa == "avx512" ? pagedkv::attention_kernels::Isa::avx512
-                              : isa == "portable" ? pagedkv::attention_kernels::Isa::portable
-                                                  : pagedkv::attention_kernels::Isa::best;
-  const pagedkv::attention_kernels::ScopedIsa scoped(chosen);
+  const pagedkv::simd::Isa chosen = isa == "avx2" ? pagedkv::simd::Isa::avx2
+                              : isa == "avx512" ? pagedkv::simd::Isa::avx512
+                              : isa == "portable" ? pagedkv::simd::Isa::portable
+                                                  : pagedkv::simd::Isa::best;
+  const pagedkv::simd::ScopedIsa scoped(chosen);
   const char* step_env = std::getenv("DECODE_STEP");
   const std::string step = step_env ? step_env : "best";
-  const pagedkv::attention_kernels::ScopedDecodeStep scoped_step(
-      step == "avx2"     ? pagedkv::attention_kernels::DecodeStep::avx2
-      : step == "avx512" ? pagedkv::attention_kernels::DecodeStep::avx512
-                         : pagedkv::attention_kernels::DecodeStep::best);
+  const pagedkv::cpu::attention::ScopedDecodeStep scoped_step(
+      step == "avx2"     ? pagedkv::cpu::attention::DecodeStep::avx2
+      : step == "avx512" ? pagedkv::cpu::attention::DecodeStep::avx512
+                         : pagedkv::cpu::attention::DecodeStep::best);
   const at::Tensor q = at::randn({batch, queries, query_heads, kHeadDim}).to(dtype);
   const auto view = cache.bind(table, lengths);
   std::vector<double> ms;

@@ -9,7 +9,7 @@
 // Run:   /tmp/kernel_driver <NHD|HND> <kind> B S ctx calls threads [format [isa]]
 //        format: native (default), fp8 or int8 pages (K and V alike; the
 //        memcpy kinds then copy codes + scales); isa: best (default),
-//        portable, avx2 or avx512 (attention_kernels::ScopedIsa).
+//        portable, avx2 or avx512 (simd::ScopedIsa).
 // Kinds: write (scalar start ctx), write_ragged (per-sequence starts),
 //        write_adv (start ctx + call % 512: a slot not written for 512 calls),
 //        gather (B x ctx tokens), gather_ragged, validate (checks::write_range
@@ -119,7 +119,7 @@ int go(const std::string& kind, int64_t B, int64_t S, int64_t ctx, int iters, pa
   std::sort(ts.begin(), ts.end());
   std::printf("%s %s %s %s B=%ld S=%ld ctx=%ld threads=%d: min %.1f p25 %.1f median %.1f p90 %.1f mean %.1f us\n",
               L::name, kind.c_str(), pagedkv::format_name(quant.k),
-              pagedkv::attention_kernels::isa_name(pagedkv::attention_kernels::selected_isa()), static_cast<long>(B),
+              pagedkv::simd::isa_name(pagedkv::simd::selected_isa()), static_cast<long>(B),
               static_cast<long>(S), static_cast<long>(ctx), at::get_num_threads(), ts[0], ts[ts.size() / 4],
               ts[ts.size() / 2], ts[ts.size() * 9 / 10], mean);
   return 0;
@@ -136,8 +136,8 @@ int main(int argc, char** argv) {
                               : format == "int8" ? pagedkv::KVFormat::int8
                                                  : pagedkv::KVFormat::native;
   const std::string isa = argc > 9 ? argv[9] : "best";
-  using pagedkv::attention_kernels::Isa;
-  const pagedkv::attention_kernels::ScopedIsa scoped_isa(isa == "portable" ? Isa::portable
+  using pagedkv::simd::Isa;
+  const pagedkv::simd::ScopedIsa scoped_isa(isa == "portable" ? Isa::portable
                                                          : isa == "avx2"   ? Isa::avx2
                                                          : isa == "avx512" ? Isa::avx512
                                                                            : Isa::best);

@@ -61,27 +61,28 @@ void attention_sample() {
          "decode attention within 2e-2 (bf16)");
 
   //! [isa]
-  namespace ak = pagedkv::attention_kernels;
-  const char* path = ak::isa_name(ak::selected_isa());  // "avx512", "avx2" or "portable": what this CPU runs
+  namespace simd = pagedkv::simd;
+  namespace cpu_attention = pagedkv::cpu::attention;
+  const char* path = simd::isa_name(simd::selected_isa());  // "avx512", "avx2" or "portable": what this CPU runs
   {
-    ak::ScopedIsa portable(ak::Isa::portable);  // this thread, this scope: the portable loops
+    simd::ScopedIsa portable(simd::Isa::portable);  // this thread, this scope: the portable loops
     at::Tensor slow = pagedkv::paged_attention(step, layer, q1);
   }
   //! [isa]
   expect(path != nullptr, "a path name");
   {
-    ak::ScopedIsa portable(ak::Isa::portable);
+    simd::ScopedIsa portable(simd::Isa::portable);
     expect(relative_error(pagedkv::paged_attention(step, layer, q1), out1.to(at::kFloat)) < 2e-2,
            "the portable loops to agree with the vector path");
   }
 
   {
     //! [decode-step]
-    const char* decode = ak::decode_step_isa_name(ak::selected_isa());  // "avx512", "avx2, ...", or nullptr
-    const ak::ScopedDecodeStep wide(ak::DecodeStep::avx512);  // this thread: the 512-bit step (AVX-512 CPUs)
+    const char* decode = cpu_attention::decode_step_isa_name(simd::selected_isa());  // "avx512", "avx2, ...", or nullptr
+    const cpu_attention::ScopedDecodeStep wide(cpu_attention::DecodeStep::avx512);  // this thread: the 512-bit step (AVX-512 CPUs)
     at::Tensor wide_out = pagedkv::paged_attention(step, layer, q1);
     //! [decode-step]
-    expect(decode != nullptr || ak::selected_isa() == ak::Isa::portable, "a decode step on the vector paths");
+    expect(decode != nullptr || simd::selected_isa() == simd::Isa::portable, "a decode step on the vector paths");
     expect(relative_error(wide_out, out1.to(at::kFloat)) < 2e-2, "either decode step to agree with the other");
   }
 

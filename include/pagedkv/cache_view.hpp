@@ -8,14 +8,26 @@
 #include <memory>
 #include <utility>
 
+#include "pagedkv/cuda/bound_tables.hpp"
+
 namespace pagedkv {
+
+/// Where bind puts the device copies of its page table and lengths (caches
+/// that run the CUDA kernels; ignored elsewhere).
+enum class BindBuffers {
+  /// Memory of the view's own: views never disturb each other.
+  fresh,
+  /// The memory the cache keeps for binds of this shape (batch, max_pages,
+  /// table dtype): a CUDA graph captured with an earlier view of the shape
+  /// reads this bind's table and lengths when replayed. An earlier view
+  /// bound into the same memory throws from then on.
+  per_shape,
+};
+
 
 template <class Layout>
 class PagedCache;
 
-namespace cuda {
-struct BoundTables;
-}
 
 /// A batch's window onto a PagedCache: cheap to copy (a pointer and three
 /// handles). Get one from PagedCache::bind; it must not outlive the cache.
@@ -31,23 +43,19 @@ class CacheView {
 
   /// Token s of every sequence goes to logical position start_pos + s.
   void write(int64_t layer, int64_t start_pos, const at::Tensor& k, const at::Tensor& v) const {
-    if (bound_ != nullptr) return cache_->write_bound(*this, layer, at::Tensor(), start_pos, k, v);
-    cache_->write(layer, page_table_, start_pos, k, v);
+    cache_->write_rows(layer, page_table_, bound_.get(), nullptr, start_pos, k, v);
   }
 
   /// Token s of sequence b goes to logical position start_pos[b] + s.
   void write(int64_t layer, const at::Tensor& start_pos, const at::Tensor& k, const at::Tensor& v) const {
-    if (bound_ != nullptr) return cache_->write_bound(*this, layer, start_pos, 0, k, v);
-    cache_->write(layer, page_table_, start_pos, k, v);
+    cache_->write_rows(layer, page_table_, bound_.get(), &start_pos, 0, k, v);
   }
 
   /// k, v as contiguous [B, T, H, D]: T = total_len (or every mapped token
   /// when total_len is 0), or max(lengths) with zeros past each length.
   std::pair<at::Tensor, at::Tensor> gather(int64_t layer) const {
-    if (bound_ != nullptr) return cache_->gather_bound(*this, layer);
-    if (lengths_.defined()) return cache_->gather(layer, page_table_, lengths_);
-    if (total_len_ > 0) return cache_->gather_prefix(layer, page_table_, total_len_);
-    return cache_->gather(layer, page_table_);
+    return cache_->gather_rows(layer, page_table_, bound_.get(), lengths_.defined() ? &lengths_ : nullptr,
+                               total_len_);
   }
 
   PagedCache<Layout>& cache() const noexcept { return *cache_; }

@@ -334,5 +334,78 @@ inline void token_ids(const Caller& caller, const at::Tensor& tokens) {
   TORCH_CHECK(tokens.device().is_cpu(), caller, ": argument 'tokens' expected on cpu, got ", tokens.device());
 }
 
+/// A 1-D int32/int64 list of page ids on the cpu or one of `devices`,
+/// copied to the host (values not yet range-checked).
+inline std::vector<int64_t> page_list(const Caller& caller, const char* arg, const at::Tensor& t,
+                                      const at::Device& device_a, const at::Device& device_b) {
+  TORCH_CHECK(t.defined(), caller, ": argument '", arg, "' expected a tensor, got an undefined one");
+  TORCH_CHECK(t.dim() == 1, caller, ": argument '", arg, "' expected 1-D [n_pages_to_copy], got ", t.dim(),
+              "-D with shape ", t.sizes());
+  TORCH_CHECK(is_index_type(t.scalar_type()), caller, ": argument '", arg,
+              "' expected dtype int32 or int64, got ", t.scalar_type());
+  if (device_a == device_b) {
+    host_or_cache_device(caller, arg, t, device_a);
+  } else {
+    TORCH_CHECK(t.device().is_cpu() || t.device() == device_a || t.device() == device_b, caller, ": argument '", arg,
+                "' expected on cpu, ", device_a, " or ", device_b, ", got ", t.device());
+  }
+  const at::Tensor host = t.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* data = host.data_ptr<int64_t>();
+  return std::vector<int64_t>(data, data + host.numel());
+}
+
+/// Every id of `pages` is in range and allocated in `pool`.
+inline void allocated_pages(const Caller& caller, const char* arg, const std::vector<int64_t>& pages,
+                            const PagePool& pool) {
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const int64_t page = pages[i];
+    TORCH_CHECK_INDEX(page >= 0 && page < pool.n_pages(), caller, ": argument '", arg, "' expected page ids in [0, ",
+                      pool.n_pages(), "), got ", arg, "[", i, "] = ", page, page == kUnmappedPage ? " (unmapped)" : "");
+    TORCH_CHECK(pool.is_allocated(page), caller, ": argument '", arg, "' expected allocated pages, got ", arg, "[", i,
+                "] = ", page, " which is free (use after free)");
+  }
+}
+
+/// The checks every page copy makes: equal lengths, src allocated in the
+/// source pool, dst allocated, distinct and not shared in the destination
+/// pool. Returns whether some page is both read and written (only possible
+/// within one cache).
+inline bool copy_lists(const Caller& caller, const std::vector<int64_t>& src, const std::vector<int64_t>& dst,
+                       const PagePool& src_pool, const PagePool& dst_pool) {
+  TORCH_CHECK(src.size() == dst.size(), caller, ": arguments 'src' and 'dst' expected the same length, got ",
+              src.size(), " and ", dst.size());
+  allocated_pages(caller, "src", src, src_pool);
+  allocated_pages(caller, "dst", dst, dst_pool);
+  for (size_t i = 0; i < dst.size(); ++i) {
+    const int64_t refs = dst_pool.ref_count(dst[i]);
+    TORCH_CHECK(refs == 1, caller, ": argument 'dst' expected pages with ref_count 1, got dst[", i, "] = ", dst[i],
+                " with ref_count ", refs, " (a copy onto a shared page; copy it to a fresh page first)");
+  }
+  std::vector<int64_t> sorted(dst);
+  std::sort(sorted.begin(), sorted.end());
+  const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  TORCH_CHECK(dup == sorted.end(), caller, ": argument 'dst' expected distinct pages, got page ",
+              dup == sorted.end() ? int64_t{0} : *dup, " more than once");
+  if (&src_pool != &dst_pool) return false;
+  return std::any_of(src.begin(), src.end(),
+                     [&](int64_t page) { return std::binary_search(sorted.begin(), sorted.end(), page); });
+}
+
+/// Caches whose pages may be copied into each other: the same n_layers,
+/// page_size, n_kv_heads, head_dim, dtype and formats (the layouts may differ).
+template <class ToCache, class FromCache>
+void same_geometry(const Caller& caller, const ToCache& to, const FromCache& from) {
+  TORCH_CHECK(to.n_layers() == from.n_layers() && to.page_size() == from.page_size() &&
+                  to.n_kv_heads() == from.n_kv_heads() && to.head_dim() == from.head_dim(),
+              caller, ": argument 'other' expected the same geometry (n_layers, page_size, n_kv_heads, head_dim) = (",
+              to.n_layers(), ", ", to.page_size(), ", ", to.n_kv_heads(), ", ", to.head_dim(), "), got (",
+              from.n_layers(), ", ", from.page_size(), ", ", from.n_kv_heads(), ", ", from.head_dim(), ")");
+  TORCH_CHECK(to.dtype() == from.dtype(), caller, ": argument 'other' expected dtype ", to.dtype(),
+              " (this cache's), got ", from.dtype());
+  TORCH_CHECK(to.quant() == from.quant(), caller, ": argument 'other' expected formats (K ", format_name(to.quant().k),
+              ", V ", format_name(to.quant().v), ") (this cache's), got (K ", format_name(from.quant().k), ", V ",
+              format_name(from.quant().v), ")");
+}
+
 }  // namespace checks
 }  // namespace pagedkv

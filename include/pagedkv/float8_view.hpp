@@ -14,7 +14,7 @@
 
 #if PAGEDKV_HAS_TORCH_FLOAT8
 namespace pagedkv {
-namespace float8_detail {
+namespace detail {
 
 /// `codes` (one side's kByte pages, stored in `format`) viewed as float8_e4m3fn.
 inline at::Tensor view_codes(const checks::Caller& caller, const char* side,
@@ -24,7 +24,7 @@ inline at::Tensor view_codes(const checks::Caller& caller, const char* side,
   return codes.view(at::kFloat8_e4m3fn);
 }
 
-}  // namespace float8_detail
+}  // namespace detail
 
 /// The K pages of a cache whose keys are fp8_e4m3, as float8_e4m3fn: a view
 /// of k_cache() (same storage, shape and strides). Element values are the
@@ -33,14 +33,14 @@ inline at::Tensor view_codes(const checks::Caller& caller, const char* side,
 template <class Layout>
 at::Tensor k_cache_as_float8(const PagedCache<Layout>& cache) {
   const checks::Caller caller{"k_cache_as_float8", Layout::name, nullptr};
-  return float8_detail::view_codes(caller, "keys", cache.k_cache(), cache.quant().k);
+  return detail::view_codes(caller, "keys", cache.k_cache(), cache.quant().k);
 }
 
 /// As k_cache_as_float8, for the V pages (v_cache(), v_scales()).
 template <class Layout>
 at::Tensor v_cache_as_float8(const PagedCache<Layout>& cache) {
   const checks::Caller caller{"v_cache_as_float8", Layout::name, nullptr};
-  return float8_detail::view_codes(caller, "values", cache.v_cache(), cache.quant().v);
+  return detail::view_codes(caller, "values", cache.v_cache(), cache.quant().v);
 }
 
 }  // namespace pagedkv

@@ -45,8 +45,6 @@ inline at::ScalarType storage_dtype(KVFormat f, at::ScalarType logical) {
   }
 }
 
-namespace quant_kernels {
-
 /// The geometry of a scales page: one value per head row (every backend and
 /// the page copies lay scales out so).
 inline PageGeometry scale_geometry(const PageGeometry& g) {
@@ -54,5 +52,4 @@ inline PageGeometry scale_geometry(const PageGeometry& g) {
           g.page_size * g.n_heads};
 }
 
-}  // namespace quant_kernels
 }  // namespace pagedkv

@@ -16,18 +16,24 @@
 
 #include "pagedkv/cache_view.hpp"
 #include "pagedkv/checks.hpp"
-#include "pagedkv/cpu/quant/kernels.hpp"
+#include "pagedkv/cpu/storage.hpp"
 #include "pagedkv/cuda/bound_tables.hpp"
-#include "pagedkv/cuda/cache_ops.hpp"
-#include "pagedkv/generic/quant_kernels.hpp"
-#include "pagedkv/kernels.hpp"
+#include "pagedkv/cuda/executor.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
-#include "pagedkv/page_copy.hpp"
+#include "pagedkv/ops/backend.hpp"
+#include "pagedkv/ops/bind.hpp"
+#include "pagedkv/ops/page_copy.hpp"
+#include "pagedkv/ops/storage.hpp"
+#include "pagedkv/ops/write_gather.hpp"
 #include "pagedkv/page_pool.hpp"
 #include "pagedkv/page_table.hpp"
 
 namespace pagedkv {
+
+/// Which kernels a thread's calls use (ops/backend.hpp).
+using ops::Backend;
+using ops::ScopedBackend;
 
 template <class Layout = NHD>
 class PagedCache {
@@ -47,9 +53,9 @@ class PagedCache {
         pool_(n_pages),
         quant_(quant),
         dtype_(options.dtype().toScalarType()),
-        k_cache_(kernels::zeroed_storage(storage_shape(n_layers, n_pages),
+        k_cache_(cpu::zeroed_storage(storage_shape(n_layers, n_pages),
                                          options.dtype(storage_dtype(quant.k, dtype_)).requires_grad(false))),
-        v_cache_(kernels::zeroed_storage(storage_shape(n_layers, n_pages),
+        v_cache_(cpu::zeroed_storage(storage_shape(n_layers, n_pages),
                                          options.dtype(storage_dtype(quant.v, dtype_)).requires_grad(false))),
         k_scales_(scales_storage(quant.k, n_layers, n_pages, options)),
         v_scales_(scales_storage(quant.v, n_layers, n_pages, options)) {}
@@ -82,10 +88,7 @@ class PagedCache {
              const at::Tensor& k,  // [B, S, H, D], any strides
              const at::Tensor& v)  // [B, S, H, D], any strides
   {
-    const checks::Caller caller{"PagedCache", Layout::name, "write"};
-    check_write_args(caller, layer, page_table, k, v);
-    checks::non_negative(caller, "start_pos", start_pos);
-    write_checked(caller, layer, page_table, std::vector<int64_t>(static_cast<size_t>(k.size(0)), start_pos), k, v);
+    write_rows(layer, page_table, nullptr, nullptr, start_pos, k, v);
   }
 
   /// Token s of sequence b goes to logical position start_pos[b] + s.
@@ -95,10 +98,7 @@ class PagedCache {
              const at::Tensor& k,           // [B, S, H, D], any strides
              const at::Tensor& v)           // [B, S, H, D], any strides
   {
-    const checks::Caller caller{"PagedCache", Layout::name, "write"};
-    check_write_args(caller, layer, page_table, k, v);
-    write_checked(caller, layer, page_table, checks::per_sequence(caller, "start_pos", start_pos, k.size(0), device()),
-                  k, v);
+    write_rows(layer, page_table, nullptr, &start_pos, 0, k, v);
   }
 
   /// k, v as contiguous [B, T, H, D], T = page_size x the leading columns
@@ -106,17 +106,7 @@ class PagedCache {
   std::pair<at::Tensor, at::Tensor> gather(int64_t layer,
                                            const at::Tensor& page_table)  // [B, max_pages]
       const {
-    const checks::Caller caller{"PagedCache", Layout::name, "gather"};
-    checks::layer(caller, layer, n_layers_);
-    checks::page_table(caller, page_table, device());
-    const at::Tensor host_table = on_host(page_table);
-    return visit_page_table(host_table, [&](const auto& table) {
-      const int64_t cols = checks::mapped_columns(table);
-      checks::readable_columns(caller, table, cols, pool_);
-      const int64_t n_tokens = cols * page_size();
-      return gather_checked(layer, page_table, table, std::vector<int64_t>(static_cast<size_t>(table.rows), n_tokens),
-                            n_tokens);
-    });
+    return gather_rows(layer, page_table, nullptr, nullptr, 0);
   }
 
   /// k, v as contiguous [B, max(lengths), H, D]; positions at or beyond a
@@ -125,18 +115,7 @@ class PagedCache {
                                            const at::Tensor& page_table,  // [B, max_pages]
                                            const at::Tensor& lengths)     // [B]
       const {
-    const checks::Caller caller{"PagedCache", Layout::name, "gather"};
-    checks::layer(caller, layer, n_layers_);
-    checks::page_table(caller, page_table, device());
-    const std::vector<int64_t> lens = checks::per_sequence(caller, "lengths", lengths, page_table.size(0), device());
-    const at::Tensor host_table = on_host(page_table);
-    return visit_page_table(host_table, [&](const auto& table) {
-      for (int64_t row = 0; row < table.rows; ++row) {
-        checks::mapped_prefix(caller, table, row, lens[static_cast<size_t>(row)], page_size(), pool_);
-      }
-      const int64_t n_tokens = lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());
-      return gather_checked(layer, page_table, table, lens, n_tokens);
-    });
+    return gather_rows(layer, page_table, nullptr, &lengths, 0);
   }
 
   /// A view whose gather returns the first total_len tokens (0 = all).
@@ -147,9 +126,11 @@ class PagedCache {
     const at::Tensor host_table = on_host(page_table);
     check_total_len(caller, host_table, total_len);
     CacheView<Layout> view(this, page_table, total_len);
-    if (kernels::use_cuda_kernels(device())) {
+    const ops::Storage s = storage();
+    if (ops::bind_copies_tables(s)) {
       checks::not_capturing(caller, cuda::capturing(device()));
-      view.bound_ = cuda::bind_tables(*this, *bind_buffers_, host_table, nullptr, BindBuffers::fresh);
+      view.bound_ = ops::bind_tables(s, pool_.alloc_epoch(), pool_.free_epoch(), *bind_buffers_, host_table, nullptr,
+                                     /*per_shape=*/false);
     }
     return view;
   }
@@ -174,9 +155,11 @@ class PagedCache {
       }
     });
     CacheView<Layout> view(this, page_table, lengths);
-    if (kernels::use_cuda_kernels(device())) {
+    const ops::Storage s = storage();
+    if (ops::bind_copies_tables(s)) {
       checks::not_capturing(caller, cuda::capturing(device()));
-      view.bound_ = cuda::bind_tables(*this, *bind_buffers_, host_table, &lens, buffers);
+      view.bound_ = ops::bind_tables(s, pool_.alloc_epoch(), pool_.free_epoch(), *bind_buffers_, host_table, &lens,
+                                     buffers == BindBuffers::per_shape);
     }
     return view;
   }
@@ -189,7 +172,7 @@ class PagedCache {
   /// both lists: every page is read before any is written (so src = {a, b},
   /// dst = {b, a} swaps two pages).
   void copy_pages(const at::Tensor& src, const at::Tensor& dst) {
-    page_copy::copy_checked(checks::Caller{"PagedCache", Layout::name, "copy_pages"}, *this, *this, src, dst);
+    copy_checked(checks::Caller{"PagedCache", Layout::name, "copy_pages"}, *this, src, dst);
   }
 
   /// this[dst[i]] <- other[src[i]] for every layer, k and v. other: the same
@@ -198,7 +181,7 @@ class PagedCache {
   /// against this one's (as in copy_pages); each on cpu or either device.
   template <class OtherLayout>
   void copy_pages_from(const PagedCache<OtherLayout>& other, const at::Tensor& src, const at::Tensor& dst) {
-    page_copy::copy_checked(checks::Caller{"PagedCache", Layout::name, "copy_pages_from"}, *this, other, src, dst);
+    copy_checked(checks::Caller{"PagedCache", Layout::name, "copy_pages_from"}, other, src, dst);
   }
 
   /// [n_layers, n_pages, <page shape>]: the cache's dtype, or codes (kByte
@@ -224,6 +207,10 @@ class PagedCache {
   /// The layout resolved into strides.
   const PageGeometry& geometry() const { return geometry_; }
   at::Device device() const { return k_cache_.device(); }
+  /// The pages as the operations layer takes them (ops/storage.hpp).
+  ops::Storage storage() const {
+    return {k_cache_, v_cache_, k_scales_, v_scales_, quant_, geometry_, dtype_};
+  }
 
   /// Audits every invariant (O(n_pages): for tests and debugging): the
   /// pool's (PagePool::check), and that k_cache() and v_cache() are still
@@ -286,7 +273,7 @@ class PagedCache {
   at::Tensor scales_storage(KVFormat format, int64_t n_layers, int64_t n_pages,
                             const at::TensorOptions& options) const {
     if (!is_quantized(format)) return at::Tensor();
-    return kernels::zeroed_storage({n_layers, n_pages, geometry_.page_size * geometry_.n_heads},
+    return cpu::zeroed_storage({n_layers, n_pages, geometry_.page_size * geometry_.n_heads},
                                    options.dtype(at::kFloat).requires_grad(false));
   }
 
@@ -318,13 +305,6 @@ class PagedCache {
                 " bytes of storage, has ", t.has_storage() ? t.storage().nbytes() : 0);
   }
 
-  void check_write_args(const checks::Caller& caller, int64_t layer, const at::Tensor& page_table,
-                        const at::Tensor& k, const at::Tensor& v) const {
-    checks::layer(caller, layer, n_layers_);
-    checks::page_table(caller, page_table, device());
-    checks::key_values(caller, k, v, page_table.size(0), geometry_, dtype(), device());
-  }
-
   void check_total_len(const checks::Caller& caller, const at::Tensor& host_table, int64_t total_len) const {
     visit_page_table(host_table, [&](const auto& table) {
       const int64_t mapped = checks::mapped_columns(table) * page_size();
@@ -333,267 +313,120 @@ class PagedCache {
     });
   }
 
-  /// Used by CacheView::gather for views bound with total_len > 0.
-  // cppcheck-suppress unusedPrivateFunction ; called by the friend CacheView
-  std::pair<at::Tensor, at::Tensor> gather_prefix(int64_t layer, const at::Tensor& page_table,
-                                                  int64_t total_len) const {
-    const checks::Caller caller{"CacheView", Layout::name, "gather"};
-    checks::layer(caller, layer, n_layers_);
-    checks::page_table(caller, page_table, device());
-    const at::Tensor host_table = on_host(page_table);
-    check_total_len(caller, host_table, total_len);
-    return visit_page_table(host_table, [&](const auto& table) {
-      checks::readable_columns(caller, table, (total_len + page_size() - 1) / page_size(), pool_);
-      return gather_checked(layer, page_table, table,
-                            std::vector<int64_t>(static_cast<size_t>(table.rows), total_len), total_len);
-    });
+  /// The table a call validates: a bound view's snapshot where the call
+  /// reads it (ops::table_of), else the caller's tensor.
+  static const at::Tensor& checked_table(const ops::Storage& s, const at::Tensor& page_table,
+                                         const cuda::BoundTables* bound) {
+    return bound != nullptr && ops::bind_copies_tables(s) ? bound->host_table : page_table;
   }
 
-  void write_checked(const checks::Caller& caller, int64_t layer, const at::Tensor& page_table,
-                     const std::vector<int64_t>& starts, const at::Tensor& k, const at::Tensor& v) {
-    const int64_t n_tokens = k.size(1);
-    visit_page_table(on_host(page_table), [&](const auto& table) {
-      for (int64_t row = 0; row < table.rows; ++row) {
-        checks::write_range(caller, table, row, starts[static_cast<size_t>(row)], n_tokens, page_size(), pool_);
-      }
-      // Validated: from here on nothing throws (but a device error).
-      if (kernels::use_cuda_kernels(device())) {
-        write_cuda(layer, page_table, starts, k, v);
-      } else if (is_quantized(quant_)) {
-        write_quantized(layer, table, starts, n_tokens, k, v);
-      } else if (kernels::use_cpu_kernels(device())) {
-        const auto src = kernels::token_major(static_cast<const char*>(k.data_ptr()), k,
-                                              static_cast<const char*>(v.data_ptr()), v);
-        const kernels::LayerPages<char> dst{kernels::layer_bytes(k_cache_, layer),
-                                            kernels::layer_bytes(v_cache_, layer), page_bytes(),
-                                            kernels::page_strides(geometry_, elem_size())};
-        kernels::write_cpu(table, starts, n_tokens, src, dst, geometry_, elem_size());
-      } else {
-        kernels::write_generic(table, starts, n_tokens, k, v, k_cache_.select(0, layer), v_cache_.select(0, layer),
-                               geometry_);
-      }
-    });
-  }
-
-  template <class Index>
-  std::pair<at::Tensor, at::Tensor> gather_checked(int64_t layer, const at::Tensor& page_table,
-                                                   const PageTableRef<Index>& table,
-                                                   const std::vector<int64_t>& lengths, int64_t n_tokens) const {
-    if (kernels::use_cuda_kernels(device())) return gather_cuda(layer, page_table, lengths, n_tokens);
-    if (is_quantized(quant_)) return gather_quantized(layer, table, lengths, n_tokens);
-    if (!kernels::use_cpu_kernels(device())) {
-      return kernels::gather_generic(table, lengths, n_tokens, k_cache_.select(0, layer), v_cache_.select(0, layer),
-                                     geometry_);
-    }
-    at::Tensor k_out = outputs_->empty(0, {table.rows, n_tokens, n_kv_heads(), head_dim()}, k_cache_.options());
-    at::Tensor v_out = outputs_->empty(1, {table.rows, n_tokens, n_kv_heads(), head_dim()}, v_cache_.options());
-    const kernels::LayerPages<const char> src{kernels::layer_bytes(k_cache_, layer),
-                                              kernels::layer_bytes(v_cache_, layer), page_bytes(),
-                                              kernels::page_strides(geometry_, elem_size())};
-    const auto dst = kernels::token_major(static_cast<char*>(k_out.data_ptr()), k_out,
-                                          static_cast<char*>(v_out.data_ptr()), v_out);
-    kernels::gather_cpu(table, lengths, n_tokens, src, dst, geometry_, elem_size());
-    return {k_out, v_out};
-  }
-
-  // ---- the CUDA kernels (cuda/cache_ops.hpp) ----
-
-  /// write_checked on a cache with CUDA kernels: the table on the device
-  /// (the caller's, or a copy), the start positions as a launch argument
-  /// when they are all equal, else copied to the device.
-  void write_cuda(int64_t layer, const at::Tensor& page_table, const std::vector<int64_t>& starts,
-                  const at::Tensor& k, const at::Tensor& v) {
-    const at::Tensor table = cuda::on_device(page_table, device());
-    cuda::Starts where;
-    at::Tensor uploaded;
-    if (std::adjacent_find(starts.begin(), starts.end(), std::not_equal_to<int64_t>()) == starts.end()) {
-      where.scalar = starts.empty() ? 0 : starts.front();
-    } else {
-      uploaded = cuda::on_device(cuda::host_int64(starts), device());
-      where.per_row = uploaded.data_ptr<int64_t>();
-    }
-    cuda::write_layer(*this, layer, cuda::table_ref(table), where, k, v);
-  }
-
-  /// gather_checked on a cache with CUDA kernels.
-  std::pair<at::Tensor, at::Tensor> gather_cuda(int64_t layer, const at::Tensor& page_table,
-                                                const std::vector<int64_t>& lengths, int64_t n_tokens) const {
-    const at::Tensor table = cuda::on_device(page_table, device());
-    if (std::adjacent_find(lengths.begin(), lengths.end(), std::not_equal_to<int64_t>()) == lengths.end()) {
-      return cuda::gather_layer(*this, layer, cuda::table_ref(table), nullptr, lengths.empty() ? 0 : lengths.front(),
-                                n_tokens);
-    }
-    const at::Tensor lens = cuda::on_device(cuda::host_int64(lengths), device());
-    return cuda::gather_layer(*this, layer, cuda::table_ref(table), lens.data_ptr<int64_t>(), 0, n_tokens);
-  }
-
-  /// CacheView::write of a view bound for the CUDA kernels (start_pos
-  /// undefined: `scalar`): checked against bind's host snapshot; start
-  /// positions equal to the bound lengths' tail read the bound lengths on
-  /// the device (what a replayed CUDA graph needs), others are uploaded.
-  // cppcheck-suppress unusedPrivateFunction ; called by the friend CacheView
-  void write_bound(const CacheView<Layout>& view, int64_t layer, const at::Tensor& start_pos, int64_t scalar,
-                   const at::Tensor& k, const at::Tensor& v) {
-    if (!kernels::use_cuda_kernels(device())) {  // bound for the CUDA kernels, used without them
-      if (start_pos.defined()) return write(layer, view.page_table(), start_pos, k, v);
-      return write(layer, view.page_table(), scalar, k, v);
-    }
-    const cuda::BoundTables& b = *view.bound_tables();
+  /// Every write: the checks, then ops::write. The table is the caller's,
+  /// or a view's (`bound`: bind's snapshot and device copies of a view
+  /// bound for the CUDA kernels, checked against the snapshot); the start
+  /// positions are `*start_tensor` [B] or, when it is null, `start_scalar`.
+  void write_rows(int64_t layer, const at::Tensor& page_table, const cuda::BoundTables* bound,
+                  const at::Tensor* start_tensor, int64_t start_scalar, const at::Tensor& k, const at::Tensor& v) {
     const checks::Caller caller{"PagedCache", Layout::name, "write"};
-    const int64_t batch = b.host_table.size(0);
+    const ops::Storage s = storage();
     checks::layer(caller, layer, n_layers_);
-    checks::page_table(caller, b.host_table, device());
+    checks::page_table(caller, checked_table(s, page_table, bound), device());
+    const ops::Table table = ops::table_of(s, page_table, bound);
+    const int64_t batch = table.rows();
     checks::key_values(caller, k, v, batch, geometry_, dtype(), device());
-    std::vector<int64_t> starts;
-    if (start_pos.defined()) {
-      if (!start_pos.device().is_cpu()) checks::not_capturing(caller, cuda::capturing(device()));
-      starts = checks::per_sequence(caller, "start_pos", start_pos, batch, device());
+    ops::WriteStarts where;
+    if (start_tensor != nullptr) {
+      if (table.bound != nullptr && !start_tensor->device().is_cpu()) {
+        checks::not_capturing(caller, cuda::capturing(device()));
+      }
+      where.starts = checks::per_sequence(caller, "start_pos", *start_tensor, batch, device());
     } else {
-      checks::non_negative(caller, "start_pos", scalar);
-      starts.assign(static_cast<size_t>(batch), scalar);
+      checks::non_negative(caller, "start_pos", start_scalar);
+      where.starts.assign(static_cast<size_t>(batch), start_scalar);
+      where.one_start = true;
     }
     const int64_t n_tokens = k.size(1);
-    visit_page_table(b.host_table, [&](const auto& table) {
-      for (int64_t row = 0; row < table.rows; ++row) {
-        checks::write_range(caller, table, row, starts[static_cast<size_t>(row)], n_tokens, page_size(), pool_);
+    visit_page_table(table.host, [&](const auto& rows) {
+      for (int64_t row = 0; row < rows.rows; ++row) {
+        checks::write_range(caller, rows, row, where.starts[static_cast<size_t>(row)], n_tokens, page_size(), pool_);
       }
+      if (table.bound == nullptr) return;
       const PageDivisor pages(page_size());
-      checks::bound_view_current(caller, b, table, pool_, [&](int64_t row) {  // the pages it writes
-        const int64_t first = starts[static_cast<size_t>(row)];
+      checks::bound_view_current(caller, *table.bound, rows, pool_, [&](int64_t row) {  // the pages it writes
+        const int64_t first = where.starts[static_cast<size_t>(row)];
         if (n_tokens == 0) return std::make_pair(int64_t{0}, int64_t{0});
         return std::make_pair(pages.column(first), pages.column(first + n_tokens - 1) + 1);
       });
     });
-    bool tail = start_pos.defined() && !b.host_lengths.empty();
-    for (int64_t row = 0; tail && row < batch; ++row) {
-      tail = starts[static_cast<size_t>(row)] + n_tokens == b.host_lengths[static_cast<size_t>(row)];
+    if (table.bound != nullptr && start_tensor != nullptr) {
+      const std::vector<int64_t>& lengths = table.bound->host_lengths;
+      bool tail = !lengths.empty();
+      for (size_t row = 0; tail && row < lengths.size(); ++row) tail = where.starts[row] + n_tokens == lengths[row];
+      where.bound_tail = tail;
+      if (!tail) checks::tail_in_capture(caller, cuda::capturing(device()), n_tokens);
     }
-    if (start_pos.defined() && !tail) checks::tail_in_capture(caller, cuda::capturing(device()), n_tokens);
     // Validated: from here on nothing throws (but a device error).
-    cuda::Starts where;
-    at::Tensor uploaded;
-    if (!start_pos.defined()) {
-      where.scalar = scalar;  // a launch argument (baked into a captured graph)
-    } else if (tail) {
-      where.tail_lengths = b.device_lengths.data_ptr<int64_t>();
-    } else {
-      uploaded = cuda::on_device(cuda::host_int64(starts), device());
-      where.per_row = uploaded.data_ptr<int64_t>();
-    }
-    cuda::write_layer(*this, layer, cuda::table_ref(b.device_table), where, k, v);
+    ops::write(s, layer, table, where, k, v);
   }
 
-  /// CacheView::gather of a view bound for the CUDA kernels (the callers
-  /// and the checks as on the CPU path, against bind's host snapshot).
-  // cppcheck-suppress unusedPrivateFunction ; called by the friend CacheView
-  std::pair<at::Tensor, at::Tensor> gather_bound(const CacheView<Layout>& view, int64_t layer) const {
-    const bool prefix = view.total_len() > 0 && !view.lengths().defined();
-    if (!kernels::use_cuda_kernels(device())) {  // bound for the CUDA kernels, used without them
-      if (view.lengths().defined()) return gather(layer, view.page_table(), view.lengths());
-      if (prefix) return gather_prefix(layer, view.page_table(), view.total_len());
-      return gather(layer, view.page_table());
-    }
-    const cuda::BoundTables& b = *view.bound_tables();
+  /// Every gather: the checks, then ops::gather. The tokens read: the
+  /// lengths (`*lengths` [B], or a bound view's), else the first
+  /// `total_len`, else (0) every token of the leading mapped columns.
+  std::pair<at::Tensor, at::Tensor> gather_rows(int64_t layer, const at::Tensor& page_table,
+                                                const cuda::BoundTables* bound, const at::Tensor* lengths,
+                                                int64_t total_len) const {
+    const bool prefix = total_len > 0 && lengths == nullptr;
     const checks::Caller caller{prefix ? "CacheView" : "PagedCache", Layout::name, "gather"};
+    const ops::Storage s = storage();
     checks::layer(caller, layer, n_layers_);
-    checks::page_table(caller, b.host_table, device());
-    return visit_page_table(b.host_table, [&](const auto& table) {
-      if (view.lengths().defined()) {
-        checks::bound_view_current(caller, b, table, pool_, [&](int64_t row) {
-          return std::make_pair(int64_t{0}, (b.host_lengths[static_cast<size_t>(row)] + page_size() - 1) / page_size());
-        });
-        const int64_t n_tokens = b.host_lengths.empty() ? 0 : *std::max_element(b.host_lengths.begin(),
-                                                                                 b.host_lengths.end());
-        return cuda::gather_layer(*this, layer, cuda::table_ref(b.device_table), b.device_lengths.data_ptr<int64_t>(),
-                                  0, n_tokens);
+    checks::page_table(caller, checked_table(s, page_table, bound), device());
+    const ops::Table table = ops::table_of(s, page_table, bound);
+    std::vector<int64_t> lens;
+    const bool bound_lengths = table.bound != nullptr && lengths != nullptr;
+    if (bound_lengths) {
+      lens = table.bound->host_lengths;
+    } else if (lengths != nullptr) {
+      lens = checks::per_sequence(caller, "lengths", *lengths, table.rows(), device());
+    }
+    if (prefix) check_total_len(caller, table.host, total_len);
+    const int64_t n_tokens = visit_page_table(table.host, [&](const auto& rows) {
+      if (lengths != nullptr) {
+        if (table.bound == nullptr) {
+          for (int64_t row = 0; row < rows.rows; ++row) {
+            checks::mapped_prefix(caller, rows, row, lens[static_cast<size_t>(row)], page_size(), pool_);
+          }
+        } else {
+          checks::bound_view_current(caller, *table.bound, rows, pool_, [&](int64_t row) {
+            return std::make_pair(int64_t{0}, (lens[static_cast<size_t>(row)] + page_size() - 1) / page_size());
+          });
+        }
+        return lens.empty() ? int64_t{0} : *std::max_element(lens.begin(), lens.end());
       }
-      const int64_t n_tokens = prefix ? view.total_len() : checks::mapped_columns(table) * page_size();
-      const int64_t cols = (n_tokens + page_size() - 1) / page_size();
-      checks::readable_columns(caller, table, cols, pool_);
-      checks::bound_view_current(caller, b, table, pool_, [cols](int64_t) { return std::make_pair(int64_t{0}, cols); });
-      return cuda::gather_layer(*this, layer, cuda::table_ref(b.device_table), nullptr, n_tokens, n_tokens);
+      const int64_t tokens = prefix ? total_len : checks::mapped_columns(rows) * page_size();
+      const int64_t cols = (tokens + page_size() - 1) / page_size();
+      checks::readable_columns(caller, rows, cols, pool_);
+      if (table.bound != nullptr) {
+        checks::bound_view_current(caller, *table.bound, rows, pool_,
+                                   [cols](int64_t) { return std::make_pair(int64_t{0}, cols); });
+      }
+      lens.assign(static_cast<size_t>(rows.rows), tokens);
+      return tokens;
     });
+    // Validated: from here on nothing throws (but a device error).
+    return ops::gather(s, layer, table, lens, bound_lengths, n_tokens, *outputs_);
   }
 
-  /// Calls f(T{}) with the C++ type of the logical dtype (quantized caches: float32, float16, bfloat16).
-  template <class F>
-  void visit_dtype(const F& f) const {
-    switch (dtype_) {
-      case at::kHalf: return f(c10::Half());
-      case at::kBFloat16: return f(c10::BFloat16());
-      default: return f(float());
-    }
+  /// Validates and copies this[dst[i]] <- from[src[i]].
+  template <class FromLayout>
+  void copy_checked(const checks::Caller& caller, const PagedCache<FromLayout>& from, const at::Tensor& src,
+                    const at::Tensor& dst) {
+    checks::same_geometry(caller, *this, from);
+    const std::vector<int64_t> src_pages = checks::page_list(caller, "src", src, from.device(), device());
+    const std::vector<int64_t> dst_pages = checks::page_list(caller, "dst", dst, device(), from.device());
+    const bool overlap = checks::copy_lists(caller, src_pages, dst_pages, from.pool(), pool_);
+    ops::copy_pages(storage(), from.storage(), src_pages.data(), dst_pages.data(),
+                    static_cast<int64_t>(src_pages.size()), overlap);
   }
 
-  static at::Tensor layer_of(const at::Tensor& t, int64_t layer) {
-    return t.defined() ? t.select(0, layer) : at::Tensor();
-  }
-
-  /// write_checked for a cache with a quantized side: each side quantized
-  /// (or copied, when native) on its own.
-  template <class Index>
-  void write_quantized(int64_t layer, const PageTableRef<Index>& table, const std::vector<int64_t>& starts,
-                       int64_t n_tokens, const at::Tensor& k, const at::Tensor& v) {
-    const at::Tensor* inputs[2] = {&k, &v};
-    if (!kernels::use_cpu_kernels(device())) {
-      for (int side = 0; side < 2; ++side) {
-        quant_kernels::write_side_generic(table, starts, n_tokens, *inputs[side], format_of(side),
-                                          pages_of(side).select(0, layer), layer_of(scales_of(side), layer),
-                                          geometry_);
-      }
-      return;
-    }
-    const auto tokens_of = [](const at::Tensor& x) {
-      return quant_kernels::SideTokens<const char>{static_cast<const char*>(x.data_ptr()),
-                                                   x.stride(0) * static_cast<int64_t>(x.element_size()),
-                                                   kernels::token_major_strides(x)};
-    };
-    const quant_kernels::SideTokens<const char> src[2] = {tokens_of(k), tokens_of(v)};
-    const quant_kernels::SidePages<char> dst[2] = {side_pages<char>(0, layer), side_pages<char>(1, layer)};
-    visit_dtype([&](auto t) {
-      quant_kernels::write_sides_cpu<decltype(t)>(table, starts, n_tokens, src, dst, geometry_);
-    });
-  }
-
-  /// gather_checked for a cache with a quantized side: dequantized into the logical dtype.
-  template <class Index>
-  std::pair<at::Tensor, at::Tensor> gather_quantized(int64_t layer, const PageTableRef<Index>& table,
-                                                     const std::vector<int64_t>& lengths, int64_t n_tokens) const {
-    at::Tensor out[2];
-    for (int side = 0; side < 2; ++side) {
-      if (!kernels::use_cpu_kernels(device())) {
-        out[side] = quant_kernels::gather_side_generic(table, lengths, n_tokens, format_of(side),
-                                                       pages_of(side).select(0, layer),
-                                                       layer_of(scales_of(side), layer), geometry_, dtype_);
-        continue;
-      }
-      out[side] = outputs_->empty(static_cast<size_t>(side), {table.rows, n_tokens, n_kv_heads(), head_dim()},
-                                  k_cache_.options().dtype(dtype_));
-      const auto src = side_pages<const char>(side, layer);
-      visit_dtype([&](auto t) {
-        using T = decltype(t);
-        quant_kernels::gather_side_cpu<T>(table, lengths, n_tokens, src, out[side].data_ptr<T>(), geometry_);
-      });
-    }
-    return {out[0], out[1]};
-  }
-
-  /// Side `side` (0: K, 1: V) of the cache: its format, pages and scales.
-  KVFormat format_of(int side) const { return side == 0 ? quant_.k : quant_.v; }
-  const at::Tensor& pages_of(int side) const { return side == 0 ? k_cache_ : v_cache_; }
-  const at::Tensor& scales_of(int side) const { return side == 0 ? k_scales_ : v_scales_; }
-
-  /// Layer `layer` of side `side` as raw bytes for the CPU kernels (no tensor is made: kernels::layer_bytes).
-  template <class Byte>
-  quant_kernels::SidePages<Byte> side_pages(int side, int64_t layer) const {
-    const at::Tensor& scales = scales_of(side);
-    return {format_of(side), kernels::layer_bytes(pages_of(side), layer),
-            scales.defined() ? kernels::layer_floats(scales, layer) : nullptr,
-            static_cast<int64_t>(pages_of(side).element_size())};
-  }
-
-  int64_t elem_size() const { return static_cast<int64_t>(k_cache_.element_size()); }
-  int64_t page_bytes() const { return geometry_.page_elems * elem_size(); }
 
   PageGeometry geometry_;
   int64_t n_layers_;
@@ -605,7 +438,7 @@ class PagedCache {
   at::Tensor k_scales_;   // [n_layers, n_pages, page_size * n_kv_heads] float32; undefined for native K
   at::Tensor v_scales_;   // [n_layers, n_pages, page_size * n_kv_heads] float32; undefined for native V
   // Storage of the last CPU gather's outputs, reused once the caller drops them.
-  std::shared_ptr<kernels::OutputRecycler> outputs_ = std::make_shared<kernels::OutputRecycler>();
+  std::shared_ptr<cpu::OutputRecycler> outputs_ = std::make_shared<cpu::OutputRecycler>();
   // The device buffers of BindBuffers::per_shape binds, by shape.
   std::shared_ptr<cuda::BindBufferSets> bind_buffers_ = std::make_shared<cuda::BindBufferSets>();
 };

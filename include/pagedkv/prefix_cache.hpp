@@ -2,7 +2,7 @@
 // request reuses the pages of every full page of its prompt that an earlier
 // request already computed (a shared system prompt, earlier chat turns).
 //
-// Semantics (DESIGN.md, "PrefixCache<Layout>")
+// Semantics (docs/sequences.md, "Prefix caching")
 // - A cached page is a node of a tree: its parent is the cached page that
 //   holds the tokens just before it (none for a prompt's first page), its
 //   key is (parent, salt, its page_size tokens). A chained 64-bit hash of
@@ -64,7 +64,7 @@ struct PrefixStats {
 /// prompt's first page, else the parent's hash) and the page's tokens [n_tokens].
 using PrefixPageHash = uint64_t (*)(uint64_t seed, const int64_t* tokens, int64_t n_tokens);
 
-namespace prefix_hash {
+namespace detail {
 
 inline uint64_t mix(uint64_t x) noexcept {  // murmur3's finaliser: every bit reaches the low (slot) bits
   x ^= x >> 33;
@@ -91,7 +91,7 @@ inline uint64_t page(uint64_t seed, const int64_t* tokens, int64_t n_tokens) noe
 
 inline uint64_t salt_seed(uint64_t salt) noexcept { return mix(salt ^ 0x5bd1e9955bd1e995ULL); }
 
-}  // namespace prefix_hash
+}  // namespace detail
 
 template <class Layout = NHD>
 class PrefixCache final : private PageReclaimer {
@@ -176,7 +176,7 @@ class PrefixCache final : private PageReclaimer {
     std::vector<uint64_t> hashes(static_cast<size_t>(n));
     std::vector<int64_t> fresh;  // pages to register, in position order
     int32_t prev = kNone;
-    uint64_t seed = prefix_hash::salt_seed(salt);
+    uint64_t seed = detail::salt_seed(salt);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t* page_tokens = data + j * page_size_;
       const uint64_t h = hash_(seed, page_tokens, page_size_);
@@ -276,7 +276,7 @@ class PrefixCache final : private PageReclaimer {
         ++children[static_cast<size_t>(x.parent)];
         if (!x.reclaimable) ++blocking[static_cast<size_t>(x.parent)];
       }
-      const uint64_t seed = x.parent == kNone ? prefix_hash::salt_seed(x.salt) : nodes_[static_cast<size_t>(x.parent)].hash;
+      const uint64_t seed = x.parent == kNone ? detail::salt_seed(x.salt) : nodes_[static_cast<size_t>(x.parent)].hash;
       if (hash_(seed, tokens_of(static_cast<int32_t>(i)), page_size_) != x.hash)
         fail("node ", i, " (page ", x.page, ") has a stale hash");
       if (find(x.hash, x.parent, x.salt, tokens_of(static_cast<int32_t>(i))) != static_cast<int32_t>(i))
@@ -394,7 +394,7 @@ class PrefixCache final : private PageReclaimer {
   /// match and, when `chain` is given, their nodes in order.
   int64_t match(const int64_t* tokens, int64_t n_pages, uint64_t salt, std::vector<int32_t>* chain) const {
     int32_t prev = kNone;
-    uint64_t seed = prefix_hash::salt_seed(salt);
+    uint64_t seed = detail::salt_seed(salt);
     int64_t j = 0;
     for (; j < n_pages; ++j) {
       const int64_t* page_tokens = tokens + j * page_size_;
@@ -603,7 +603,7 @@ class PrefixCache final : private PageReclaimer {
 
   SequenceTable<Layout>* seqs_;
   int64_t page_size_;
-  PrefixPageHash hash_ = &prefix_hash::page;
+  PrefixPageHash hash_ = &detail::page;
   std::vector<Node> nodes_;           // slots; !live ones are listed in free_nodes_
   std::vector<int64_t> tokens_;       // [nodes_.size(), page_size]: each node's tokens
   std::vector<int32_t> free_nodes_;

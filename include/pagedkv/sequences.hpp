@@ -66,7 +66,7 @@
 
 #include "pagedkv/checks.hpp"
 #include "pagedkv/layouts.hpp"
-#include "pagedkv/page_copy.hpp"
+#include "pagedkv/ops/page_copy.hpp"
 #include "pagedkv/page_reclaimer.hpp"
 #include "pagedkv/paged_cache.hpp"
 
@@ -355,7 +355,7 @@ class SequenceTable {
   static void copy_or_undo(PagedCache<ToLayout>& to, const PagedCache<FromLayout>& from, const int64_t* src,
                            const int64_t* dst, int64_t n, const int64_t* fresh, int64_t n_fresh = 1) {
     try {
-      page_copy::copy_unchecked(to, from, src, dst, n, /*overlap=*/false);
+      ops::copy_pages(to.storage(), from.storage(), src, dst, n, /*overlap=*/false);
     } catch (...) {
       for (int64_t i = 0; i < n_fresh; ++i) to.pool().free(fresh[i]);
       throw;
@@ -443,7 +443,7 @@ class SequenceTable {
                 ": argument 'host' expected another table, got this one");
     TORCH_CHECK(static_cast<const void*>(host.cache_) != static_cast<const void*>(cache_), caller,
                 ": argument 'host' expected a table over another cache, got one over this table's cache");
-    page_copy::same_geometry(caller, *host.cache_, *cache_);
+    checks::same_geometry(caller, *host.cache_, *cache_);
   }
 
   /// Whether n_needed pages can be allocated now: they are free, or the

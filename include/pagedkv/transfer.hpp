@@ -4,7 +4,7 @@
 // send/recv, so this header is not part of the umbrella pagedkv.hpp (users
 // who do not transfer never pull in c10d).
 //
-// Wire protocol (one transfer, sender S -> receiver R; tags in transfer_wire)
+// Wire protocol (one transfer, sender S -> receiver R; tags in transfer::wire)
 //   1. S -> R  header: kHeaderWords int64 (fixed size in every version, so the
 //              receiver never posts a buffer of a size it guessed).
 //   2. R -> S  reply: kReplyWords int64, accept or the reason for a reject.
@@ -17,7 +17,7 @@
 //              quantized side sends bytes instead: per layer the k and v
 //              sections (codes, or the native side's elements), then the
 //              scales of each quantized side, every section starting at a
-//              multiple of transfer_wire::kSectionAlign bytes.
+//              multiple of transfer::wire::kSectionAlign bytes.
 // The payload lands in a staging buffer and is copied into the receiver's
 // fresh pages only once every message has arrived: no page is ever half
 // written, and on any failure the fresh pages are freed.
@@ -50,8 +50,8 @@
 #include <vector>
 
 #include "pagedkv/checks.hpp"
-#include "pagedkv/generic/kernels.hpp"
-#include "pagedkv/page_copy.hpp"
+#include "pagedkv/generic/write_gather.hpp"
+#include "pagedkv/ops/page_copy.hpp"
 #include "pagedkv/paged_cache.hpp"
 #include "pagedkv/sequences.hpp"
 #include "pagedkv/transfer/group.hpp"
@@ -66,8 +66,8 @@ namespace pagedkv {
 /// Frees the calling thread's staging buffers (CPU transfers keep the
 /// largest payload sent and the largest received per thread, for reuse).
 inline void release_transfer_buffers() {
-  transfer_detail::drop_staging(transfer_detail::StagingRole::send);
-  transfer_detail::drop_staging(transfer_detail::StagingRole::recv);
+  transfer::drop_staging(transfer::StagingRole::send);
+  transfer::drop_staging(transfer::StagingRole::recv);
 }
 
 /// Sends tokens [0, n_tokens) held by `pages` ([n] int32/int64, in token
@@ -81,18 +81,18 @@ template <class Group, class Layout>
 void send_pages(Group& group, int dst_rank, const PagedCache<Layout>& cache,
                 const at::Tensor& pages,  // [n] int32/int64
                 int64_t n_tokens, int64_t transfer_id, std::chrono::milliseconds timeout, HeadRange heads = {}) {
-  namespace w = transfer_wire;
-  using namespace transfer_detail;
+  namespace w = transfer::wire;
+  using namespace transfer;
   const checks::Caller caller{"send_pages", Layout::name, nullptr};
   peer_rank(caller, "dst_rank", group, dst_rank);
   positive_timeout(caller, timeout);
   checks::non_negative(caller, "n_tokens", n_tokens);
-  const std::vector<int64_t> ids = page_copy::page_list(caller, "pages", pages, cache.device(), cache.device());
+  const std::vector<int64_t> ids = checks::page_list(caller, "pages", pages, cache.device(), cache.device());
   const int64_t n = static_cast<int64_t>(ids.size());
   const int64_t need = n_tokens / cache.page_size() + (n_tokens % cache.page_size() != 0 ? 1 : 0);
   TORCH_CHECK(n == need, caller, ": argument 'pages' expected ", need, " pages (the pages that hold n_tokens = ",
               n_tokens, " at page_size ", cache.page_size(), "), got ", n);
-  page_copy::allocated_pages(caller, "pages", ids, cache.pool());
+  checks::allocated_pages(caller, "pages", ids, cache.pool());
   if (heads.end == -1) heads.end = cache.n_kv_heads();
   TORCH_CHECK_INDEX(heads.begin >= 0 && heads.begin < heads.end && heads.end <= cache.n_kv_heads(), caller,
                     ": argument 'heads' expected 0 <= begin < end <= n_kv_heads = ", cache.n_kv_heads(),
@@ -169,7 +169,7 @@ template <class Group, class Layout>
 std::vector<int64_t> recv_pages(Group& group, int src_rank, PagedCache<Layout>& cache, int64_t transfer_id,
                                 std::chrono::milliseconds timeout) {
   PagePool& pool = cache.pool();
-  return transfer_detail::receive(
+  return transfer::receive(
              checks::Caller{"recv_pages", Layout::name, nullptr}, group, src_rank, cache, transfer_id, timeout,
              [&](int64_t n_pages, int64_t /*n_tokens*/) { return pool.alloc_n(n_pages); },
              [&](const std::vector<int64_t>& pages) { pool.free_all(pages); })
@@ -189,7 +189,7 @@ void send_sequence(Group& group, int dst_rank, const SequenceTable<Layout>& seqs
   const int64_t page_size = seqs.cache().page_size();
   const int64_t n = length / page_size + (length % page_size != 0 ? 1 : 0);
   const std::vector<int64_t>& all = seqs.pages(seq);
-  const at::Tensor pages = kernels::host_index(std::vector<int64_t>(all.begin(), all.begin() + n), at::kCPU);
+  const at::Tensor pages = generic::host_index(std::vector<int64_t>(all.begin(), all.begin() + n), at::kCPU);
   send_pages(group, dst_rank, seqs.cache(), pages, length, transfer_id, timeout, heads);
 }
 
@@ -212,7 +212,7 @@ int64_t recv_sequence(Group& group, int src_rank, SequenceTable<Layout>& seqs, i
   const auto undo = [&](const std::vector<int64_t>&) {
     if (seq >= 0) seqs.release(seq);
   };
-  const int64_t n_tokens = transfer_detail::receive(checks::Caller{"recv_sequence", Layout::name, nullptr}, group,
+  const int64_t n_tokens = transfer::receive(checks::Caller{"recv_sequence", Layout::name, nullptr}, group,
                                                     src_rank, seqs.cache(), transfer_id, timeout, allocate, undo)
                                .second;
   seqs.commit_append(seq, n_tokens);  // fits: reserved above

@@ -21,7 +21,7 @@ from . import _fake  # noqa: F401  (registers the operators' fake implementation
 from ._C import CacheView, PrefixStats
 
 __all__ = ["PagedCache", "CacheView", "SequenceTable", "PrefixCache", "PrefixStats", "paged_attention"]
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 
 def _formats(kv_format, k_format, v_format):

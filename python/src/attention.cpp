@@ -17,7 +17,7 @@
 #include "op_checks.hpp"
 #include "pagedkv/attention.hpp"
 #include "pagedkv/checks.hpp"
-#include "pagedkv/kernels.hpp"
+#include "pagedkv/ops/attention.hpp"
 #include "pagedkv/page_table.hpp"
 #include "stateless.hpp"
 
@@ -29,7 +29,6 @@ PAGEDKV_PY_ATTENTION_KERNEL(extern, c10::BFloat16)
 namespace pagedkv_py {
 
 namespace checks = pagedkv::checks;
-namespace attention_kernels = pagedkv::attention_kernels;
 
 at::Tensor View::paged_attention(int64_t layer, const at::Tensor& q, double scale) const {
   return std::visit([&](const auto& view) { return pagedkv::paged_attention(view, layer, q, scale); }, view_);
@@ -37,43 +36,19 @@ at::Tensor View::paged_attention(int64_t layer, const at::Tensor& q, double scal
 
 namespace {
 
-/// pagedkv::paged_attention's body after its checks, on op storage.
-at::Tensor attention_unchecked(const op_checks::Storage& s, int64_t layer, const at::Tensor& host_table,
-                               const std::vector<int64_t>& lengths, const at::Tensor& q, double scale) {
-  const pagedkv::PageGeometry& g = s.geometry;
-  const int64_t n_queries = q.size(1);
-  if (q.size(0) == 0 || n_queries == 0) return at::empty(q.sizes(), q.options());
-  const double sc = scale > 0.0 ? scale : 1.0 / std::sqrt(static_cast<double>(g.head_dim));
-  if (!pagedkv::kernels::use_cpu_kernels(s.device())) {
-    if (is_quantized(s.quant)) {
-      const int64_t n_tokens = *std::max_element(lengths.begin(), lengths.end());
-      return attention_kernels::attention_over_gathered(
-          gather_pages(s, layer, host_table, lengths, n_tokens, q.scalar_type()), lengths, q, g, sc);
-    }
-    return pagedkv::visit_page_table(host_table, [&](const auto& table) {
-      return attention_kernels::paged_attention_generic(table, lengths, q, s.k.select(0, layer), s.v.select(0, layer),
-                                                        g, sc);
-    });
-  }
-  const attention_kernels::KVSide k = attention_kernels::layer_side(s.k, s.k_scales, s.quant.k, layer);
-  const attention_kernels::KVSide v = attention_kernels::layer_side(s.v, s.v_scales, s.quant.v, layer);
-  return pagedkv::visit_page_table(host_table, [&](const auto& table) {
-    return attention_kernels::paged_attention_cpu(table, lengths, q, k, v, g, sc);
-  });
-}
-
 at::Tensor paged_attention_op(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer,
                               const at::Tensor& page_table, const at::Tensor& lengths, const at::Tensor& q,
                               double scale, c10::string_view layout, const c10::optional<at::Tensor>& k_scales,
                               const c10::optional<at::Tensor>& v_scales) {
   return op_body([&] {
     const checks::Caller caller = op_checks::op("paged_attention");
-    const op_checks::Storage s = op_checks::storage(caller, k_cache, v_cache, k_scales, v_scales, layout);
+    op_checks::Storage s = op_checks::storage(caller, k_cache, v_cache, k_scales, v_scales, layout);
     TORCH_CHECK(q.defined(), caller, ": argument 'q' expected a tensor, got an undefined one");
     const bool has_native = !is_quantized(s.quant.k) || !is_quantized(s.quant.v);
     const at::ScalarType dtype =
         op_checks::logical_dtype(caller, s, "q", has_native ? c10::nullopt : c10::make_optional(q.scalar_type()));
-    checks::layer(caller, layer, s.n_layers);
+    s.dtype = dtype;
+    checks::layer(caller, layer, s.n_layers());
     checks::attention_dtype(caller, dtype);
     checks::page_table(caller, page_table, s.device());
     const int64_t batch = page_table.size(0);
@@ -84,11 +59,15 @@ at::Tensor paged_attention_op(const at::Tensor& k_cache, const at::Tensor& v_cac
     const at::Tensor host_table = on_host(page_table);
     pagedkv::visit_page_table(host_table, [&](const auto& table) {
       for (int64_t row = 0; row < table.rows; ++row) {
-        op_checks::mapped_prefix(caller, table, row, lens[static_cast<size_t>(row)], s.geometry.page_size, s.n_pages);
+        op_checks::mapped_prefix(caller, table, row, lens[static_cast<size_t>(row)], s.geometry.page_size, s.n_pages());
       }
     });
-    // Validated: from here on nothing throws.
-    return attention_unchecked(s, layer, host_table, lens, q, scale);
+    // Validated: from here on nothing throws (but a device error).
+    if (q.size(0) == 0 || q.size(1) == 0) return at::empty(q.sizes(), q.options());
+    pagedkv::AttentionOptions options;
+    options.scale = scale > 0.0 ? scale : 1.0 / std::sqrt(static_cast<double>(s.geometry.head_dim));
+    return pagedkv::ops::attention(s, layer, pagedkv::ops::Table{page_table, host_table, nullptr}, lens, false, q,
+                                   options);
   });
 }
 

@@ -17,7 +17,7 @@
 /// `PREFIX template` of paged_attention_cpu_impl<T>: PREFIX extern declares
 /// the instance, an empty PREFIX defines it.
 #define PAGEDKV_PY_ATTENTION_KERNEL(PREFIX, T)                                                                 \
-  PREFIX template void pagedkv::attention_kernels::paged_attention_cpu_impl<T>(                               \
+  PREFIX template void pagedkv::cpu::attention::paged_attention_cpu_impl<T>(                               \
       const pagedkv::AnyPageTableRef&, const std::vector<int64_t>&, const float*, const T*, float, T*,       \
-      const pagedkv::attention_kernels::KVSide&, const pagedkv::attention_kernels::KVSide&,                    \
+      const pagedkv::cpu::attention::KVSide&, const pagedkv::cpu::attention::KVSide&,                    \
       const pagedkv::PageGeometry&, int64_t, int64_t);

@@ -16,12 +16,13 @@
 #include "handles.hpp"
 #include "op_checks.hpp"
 #include "pagedkv/checks.hpp"
-#include "pagedkv/cpu/quant/kernels.hpp"
-#include "pagedkv/generic/quant_kernels.hpp"
-#include "pagedkv/kernels.hpp"
+#include "pagedkv/cpu/storage.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
-#include "pagedkv/page_copy.hpp"
+#include "pagedkv/ops/bind.hpp"
+#include "pagedkv/ops/page_copy.hpp"
+#include "pagedkv/ops/storage.hpp"
+#include "pagedkv/ops/write_gather.hpp"
 #include "pagedkv/page_table.hpp"
 #include "pagedkv/paged_cache.hpp"
 #include "stateless.hpp"
@@ -34,8 +35,7 @@ using pagedkv::NHD;
 using pagedkv::PageGeometry;
 using pagedkv::PageTableRef;
 namespace checks = pagedkv::checks;
-namespace kernels = pagedkv::kernels;
-namespace quant_kernels = pagedkv::quant_kernels;
+namespace ops = pagedkv::ops;
 
 // ---------------------------------------------------------------- classes
 
@@ -175,109 +175,10 @@ namespace {
 
 using op_checks::Storage;
 
-at::Tensor layer_of(const at::Tensor& t, int64_t layer) { return t.defined() ? t.select(0, layer) : at::Tensor(); }
-
-/// Calls f(T{}) with the C++ type of a quantized cache's logical dtype (float32, float16 or bfloat16).
-template <class F>
-void visit_float_dtype(at::ScalarType dtype, const F& f) {
-  switch (dtype) {
-    case at::kHalf: return f(c10::Half());
-    case at::kBFloat16: return f(c10::BFloat16());
-    default: return f(float());
-  }
-}
-
-/// Side `side` (0: K, 1: V) of one layer as raw bytes for the CPU kernels of quantized pages.
-template <class Byte>
-quant_kernels::SidePages<Byte> side_pages(const Storage& s, int side, int64_t layer) {
-  const at::Tensor& pages = side == 0 ? s.k : s.v;
-  const at::Tensor& scales = side == 0 ? s.k_scales : s.v_scales;
-  return {side == 0 ? s.quant.k : s.quant.v, kernels::layer_bytes(pages, layer),
-          scales.defined() ? kernels::layer_floats(scales, layer) : nullptr,
-          static_cast<int64_t>(pages.element_size())};
-}
-
-/// PagedCache::write_checked's dispatch, on validated op arguments.
-template <class Index>
-void write_unchecked(const Storage& s, int64_t layer, const PageTableRef<Index>& table,
-                     const std::vector<int64_t>& starts, int64_t n_tokens, const at::Tensor& k, const at::Tensor& v) {
-  const PageGeometry& g = s.geometry;
-  const bool cpu = kernels::use_cpu_kernels(s.device());
-  if (is_quantized(s.quant)) {
-    if (!cpu) {
-      quant_kernels::write_side_generic(table, starts, n_tokens, k, s.quant.k, s.k.select(0, layer),
-                                        layer_of(s.k_scales, layer), g);
-      quant_kernels::write_side_generic(table, starts, n_tokens, v, s.quant.v, s.v.select(0, layer),
-                                        layer_of(s.v_scales, layer), g);
-      return;
-    }
-    const auto tokens_of = [](const at::Tensor& x) {
-      return quant_kernels::SideTokens<const char>{static_cast<const char*>(x.data_ptr()),
-                                                   x.stride(0) * static_cast<int64_t>(x.element_size()),
-                                                   kernels::token_major_strides(x)};
-    };
-    const quant_kernels::SideTokens<const char> src[2] = {tokens_of(k), tokens_of(v)};
-    const quant_kernels::SidePages<char> dst[2] = {side_pages<char>(s, 0, layer), side_pages<char>(s, 1, layer)};
-    visit_float_dtype(k.scalar_type(), [&](auto t) {
-      quant_kernels::write_sides_cpu<decltype(t)>(table, starts, n_tokens, src, dst, g);
-    });
-    return;
-  }
-  if (cpu) {
-    const auto elem_size = static_cast<int64_t>(s.k.element_size());
-    const auto src = kernels::token_major(static_cast<const char*>(k.data_ptr()), k,
-                                          static_cast<const char*>(v.data_ptr()), v);
-    const kernels::LayerPages<char> dst{kernels::layer_bytes(s.k, layer), kernels::layer_bytes(s.v, layer),
-                                        g.page_elems * elem_size, kernels::page_strides(g, elem_size)};
-    kernels::write_cpu(table, starts, n_tokens, src, dst, g, elem_size);
-    return;
-  }
-  kernels::write_generic(table, starts, n_tokens, k, v, s.k.select(0, layer), s.v.select(0, layer), g);
-}
-
-/// Storage of the CPU gathers' outputs, recycled as PagedCache recycles its own (kernels::OutputRecycler).
-kernels::OutputRecycler& op_outputs() {
-  static kernels::OutputRecycler recycler;
+/// Storage of the CPU gathers' outputs, recycled as PagedCache recycles its own (cpu::OutputRecycler).
+pagedkv::cpu::OutputRecycler& op_outputs() {
+  static pagedkv::cpu::OutputRecycler recycler;
   return recycler;
-}
-
-/// PagedCache::gather_checked's dispatch, on validated op arguments.
-template <class Index>
-std::pair<at::Tensor, at::Tensor> gather_unchecked(const Storage& s, int64_t layer, const PageTableRef<Index>& table,
-                                                   const std::vector<int64_t>& lengths, int64_t n_tokens,
-                                                   at::ScalarType dtype) {
-  const PageGeometry& g = s.geometry;
-  const bool cpu = kernels::use_cpu_kernels(s.device());
-  const std::vector<int64_t> shape{table.rows, n_tokens, g.n_heads, g.head_dim};
-  if (is_quantized(s.quant)) {
-    at::Tensor out[2];
-    for (int side = 0; side < 2; ++side) {
-      const KVFormat format = side == 0 ? s.quant.k : s.quant.v;
-      if (!cpu) {
-        out[side] = quant_kernels::gather_side_generic(table, lengths, n_tokens, format,
-                                                       (side == 0 ? s.k : s.v).select(0, layer),
-                                                       layer_of(side == 0 ? s.k_scales : s.v_scales, layer), g, dtype);
-        continue;
-      }
-      out[side] = op_outputs().empty(static_cast<size_t>(side), shape, s.k.options().dtype(dtype));
-      const auto src = side_pages<const char>(s, side, layer);
-      visit_float_dtype(dtype, [&](auto t) {
-        using T = decltype(t);
-        quant_kernels::gather_side_cpu<T>(table, lengths, n_tokens, src, out[side].template data_ptr<T>(), g);
-      });
-    }
-    return {out[0], out[1]};
-  }
-  if (!cpu) return kernels::gather_generic(table, lengths, n_tokens, s.k.select(0, layer), s.v.select(0, layer), g);
-  at::Tensor k_out = op_outputs().empty(0, shape, s.k.options());
-  at::Tensor v_out = op_outputs().empty(1, shape, s.v.options());
-  const auto elem_size = static_cast<int64_t>(s.k.element_size());
-  const kernels::LayerPages<const char> src{kernels::layer_bytes(s.k, layer), kernels::layer_bytes(s.v, layer),
-                                            g.page_elems * elem_size, kernels::page_strides(g, elem_size)};
-  const auto dst = kernels::token_major(static_cast<char*>(k_out.data_ptr()), k_out,
-                                        static_cast<char*>(v_out.data_ptr()), v_out);
-  kernels::gather_cpu(table, lengths, n_tokens, src, dst, g, elem_size);
-  return {k_out, v_out};
 }
 
 /// The dtype a write's k and v must have: a native side's, else k's (a float type).
@@ -294,7 +195,8 @@ Storage checked_write(const checks::Caller& caller, const at::Tensor& k_cache, c
                       const c10::optional<at::Tensor>& v_scales) {
   Storage s = op_checks::storage(caller, k_cache, v_cache, k_scales, v_scales, layout);
   const at::ScalarType dtype = write_dtype(caller, s, k);
-  checks::layer(caller, layer, s.n_layers);
+  s.dtype = dtype;
+  checks::layer(caller, layer, s.n_layers());
   checks::page_table(caller, page_table, s.device());
   checks::key_values(caller, k, v, page_table.size(0), s.geometry, dtype, s.device());
   return s;
@@ -306,11 +208,13 @@ void write_starts(const checks::Caller& caller, const Storage& s, int64_t layer,
   pagedkv::visit_page_table(on_host(page_table), [&](const auto& table) {
     for (int64_t row = 0; row < table.rows; ++row) {
       op_checks::write_range(caller, table, row, starts[static_cast<size_t>(row)], n_tokens, s.geometry.page_size,
-                             s.n_pages);
+                             s.n_pages());
     }
-    // Validated: from here on nothing throws.
-    write_unchecked(s, layer, table, starts, n_tokens, k, v);
   });
+  // Validated: from here on nothing throws (but a device error).
+  ops::WriteStarts where;
+  where.starts = starts;
+  ops::write(s, layer, ops::table_of(s, page_table, nullptr), where, k, v);
 }
 
 /// What a gather reads from once its checks passed: op storage and the dtype it returns.
@@ -327,7 +231,8 @@ GatherSource checked_gather(const checks::Caller& caller, const at::Tensor& k_ca
                             c10::optional<at::ScalarType> dtype) {
   Storage s = op_checks::storage(caller, k_cache, v_cache, k_scales, v_scales, layout);
   const at::ScalarType out_dtype = op_checks::logical_dtype(caller, s, "dtype", dtype);
-  checks::layer(caller, layer, s.n_layers);
+  s.dtype = out_dtype;
+  checks::layer(caller, layer, s.n_layers());
   checks::page_table(caller, page_table, s.device());
   return {std::move(s), out_dtype};
 }
@@ -373,14 +278,14 @@ std::tuple<at::Tensor, at::Tensor> gather_op(const at::Tensor& k_cache, const at
       int64_t n_tokens = total_len;
       if (total_len == 0) {  // every mapped token, as the reference's gather
         const int64_t cols = checks::mapped_columns(table);
-        op_checks::readable_columns(caller, table, cols, s.n_pages);
+        op_checks::readable_columns(caller, table, cols, s.n_pages());
         n_tokens = cols * page_size;
       } else {  // the first total_len tokens, as the reference's CacheView
         op_checks::total_len(caller, table, total_len, page_size);
-        op_checks::readable_columns(caller, table, (total_len + page_size - 1) / page_size, s.n_pages);
+        op_checks::readable_columns(caller, table, (total_len + page_size - 1) / page_size, s.n_pages());
       }
-      return gather_unchecked(s, layer, table, std::vector<int64_t>(static_cast<size_t>(table.rows), n_tokens),
-                              n_tokens, out_dtype);
+      return ops::gather(s, layer, ops::table_of(s, page_table, nullptr),
+                         std::vector<int64_t>(static_cast<size_t>(table.rows), n_tokens), false, n_tokens, op_outputs());
     });
     return std::make_tuple(kv.first, kv.second);
   });
@@ -401,18 +306,14 @@ std::tuple<at::Tensor, at::Tensor> gather_lengths_op(const at::Tensor& k_cache, 
     const std::vector<int64_t> lens = checks::per_sequence(caller, "lengths", lengths, page_table.size(0), s.device());
     const auto kv = pagedkv::visit_page_table(on_host(page_table), [&](const auto& table) {
       for (int64_t row = 0; row < table.rows; ++row) {
-        op_checks::mapped_prefix(caller, table, row, lens[static_cast<size_t>(row)], s.geometry.page_size, s.n_pages);
+        op_checks::mapped_prefix(caller, table, row, lens[static_cast<size_t>(row)], s.geometry.page_size, s.n_pages());
       }
       const int64_t n_tokens = lens.empty() ? 0 : *std::max_element(lens.begin(), lens.end());
-      return gather_unchecked(s, layer, table, lens, n_tokens, out_dtype);
+      return ops::gather(s, layer, ops::table_of(s, page_table, nullptr), lens, false, n_tokens, op_outputs());
     });
     return std::make_tuple(kv.first, kv.second);
   });
 }
-
-/// The page tensors of op storage: [k pages, v pages, k scales, v scales],
-/// scales seen as whole pages [n_layers, n_pages, page_size * n_kv_heads].
-std::vector<at::Tensor> page_tensors(const Storage& s) { return {s.k, s.v, s.k_scales, s.v_scales}; }
 
 void copy_pages_op(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& src,
                    const at::Tensor& dst, c10::string_view layout, const c10::optional<at::Tensor>& k_scales,
@@ -420,8 +321,8 @@ void copy_pages_op(const at::Tensor& k_cache, const at::Tensor& v_cache, const a
   op_body([&] {
     const checks::Caller caller = op_checks::op("copy_pages");
     const Storage s = op_checks::storage(caller, k_cache, v_cache, k_scales, v_scales, layout);
-    const std::vector<int64_t> from = op_checks::page_list(caller, "src", src, s.device(), s.n_pages);
-    const std::vector<int64_t> to = op_checks::page_list(caller, "dst", dst, s.device(), s.n_pages);
+    const std::vector<int64_t> from = op_checks::page_list(caller, "src", src, s.device(), s.n_pages());
+    const std::vector<int64_t> to = op_checks::page_list(caller, "dst", dst, s.device(), s.n_pages());
     TORCH_CHECK(from.size() == to.size(), caller, ": arguments 'src' and 'dst' expected the same length, got ",
                 from.size(), " and ", to.size());
     std::vector<int64_t> sorted(to);
@@ -429,40 +330,15 @@ void copy_pages_op(const at::Tensor& k_cache, const at::Tensor& v_cache, const a
     const auto dup = std::adjacent_find(sorted.begin(), sorted.end());
     TORCH_CHECK(dup == sorted.end(), caller, ": argument 'dst' expected distinct pages, got page ",
                 dup == sorted.end() ? int64_t{0} : *dup, " more than once");
-    // Validated: from here on nothing throws.
-    const auto n = static_cast<int64_t>(to.size());
-    if (n == 0) return;
+    // Validated: from here on nothing throws (but a device error).
     const bool overlap = std::any_of(from.begin(), from.end(), [&](int64_t page) {
       return std::binary_search(sorted.begin(), sorted.end(), page);
     });
-    // Whole pages: the layout does not matter. The ATen path reads every
-    // source page before it writes, so overlapping lists read old contents.
-    const bool cpu = kernels::use_cpu_kernels(s.device()) && !overlap;
-    for (const at::Tensor& t : page_tensors(s)) {
-      if (!t.defined()) continue;
-      if (!cpu) {
-        pagedkv::page_copy::copy_generic(t, t, from.data(), to.data(), n, /*same_layout=*/true);
-        continue;
-      }
-      const auto page_bytes = static_cast<int64_t>(t.stride(1) * t.element_size());
-      const auto tokens = page_bytes / static_cast<int64_t>(t.element_size());
-      const pagedkv::page_copy::CpuTensorPages pages{static_cast<char*>(t.data_ptr()), s.n_pages * page_bytes,
-                                                    page_bytes, kernels::BlockStrides{0, 0, 0}};
-      pagedkv::page_copy::copy_cpu_tensor(pages, pages, from.data(), to.data(), n, s.n_layers,
-                                          kernels::BlockShape{tokens, 1, 1, static_cast<int64_t>(t.element_size())},
-                                          /*same_layout=*/true);
-    }
+    ops::copy_pages(s, s, from.data(), to.data(), static_cast<int64_t>(to.size()), overlap);
   });
 }
 
 }  // namespace
-
-std::pair<at::Tensor, at::Tensor> gather_pages(const op_checks::Storage& s, int64_t layer,
-                                               const at::Tensor& host_table, const std::vector<int64_t>& lengths,
-                                               int64_t n_tokens, at::ScalarType dtype) {
-  return pagedkv::visit_page_table(
-      host_table, [&](const auto& table) { return gather_unchecked(s, layer, table, lengths, n_tokens, dtype); });
-}
 
 }  // namespace pagedkv_py
 
@@ -475,7 +351,7 @@ TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
 }
 
 // CUDA tensors take the library's device-agnostic ATen path, as a CUDA
-// PagedCache does today (kernels::use_cpu_kernels is false off the CPU).
+// PagedCache does today (ops::use_cpu_kernels is false off the CPU).
 TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
   m.impl("write", &pagedkv_py::write_op);
   m.impl("write.starts", &pagedkv_py::write_starts_op);

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "handles.hpp"
-#include "pagedkv/kernels.hpp"
+#include "pagedkv/ops/backend.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/prefix_cache.hpp"
 #include "pagedkv/torch_compat.hpp"

@@ -21,6 +21,7 @@
 #include "pagedkv/checks.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
+#include "pagedkv/ops/storage.hpp"
 #include "pagedkv/page_table.hpp"
 
 namespace pagedkv_py {
@@ -102,23 +103,10 @@ void total_len(const Caller& caller, const pagedkv::PageTableRef<Index>& table, 
                     " (the tokens the page table maps), got ", total_len);
 }
 
-/// The pages of a cache as an op receives them: k_cache, v_cache
-/// [n_layers, n_pages, <page>], with float32 scales
-/// [n_layers, n_pages, page_size * n_kv_heads] for a quantized side (whose
-/// codes are uint8 for fp8 e4m3 and int8 for int8; a side without scales
-/// is native). Built only by `storage`, which validates all of it.
-struct Storage {
-  at::Tensor k;                 ///< [n_layers, n_pages, <page>]
-  at::Tensor v;                 ///< [n_layers, n_pages, <page>]
-  at::Tensor k_scales;          ///< [n_layers, n_pages, page_size * n_kv_heads] or undefined (native K)
-  at::Tensor v_scales;          ///< as k_scales for V
-  pagedkv::KVQuant quant;       ///< the sides' formats, from the scales and the code dtypes
-  pagedkv::PageGeometry geometry;  ///< one page, the layout resolved
-  int64_t n_layers;             ///< k.size(0)
-  int64_t n_pages;              ///< k.size(1)
-
-  at::Device device() const { return k.device(); }
-};
+/// The pages of a cache as an op receives them: ops::Storage, built only
+/// by `storage`, which validates all of it (its dtype is the native side's;
+/// an op on quantized pages sets the one it reads and writes).
+using Storage = pagedkv::ops::Storage;
 
 /// The format of one side: native without scales, else from its codes' dtype.
 inline pagedkv::KVFormat side_format(const Caller& caller, const char* pages_arg, const at::Tensor& pages,
@@ -184,7 +172,7 @@ inline Storage storage(const Caller& caller, const at::Tensor& k_cache, const at
                                       : pagedkv::PageGeometry::of<pagedkv::NHD>(page_size, n_heads, head_dim);
   const int64_t n_layers = k_cache.size(0);
   const int64_t n_pages = k_cache.size(1);
-  Storage s{k_cache, v_cache, at::Tensor(), at::Tensor(), quant, g, n_layers, n_pages};
+  Storage s{k_cache, v_cache, at::Tensor(), at::Tensor(), quant, g, k_cache.scalar_type()};
   if (is_quantized(quant.k)) {
     scales_tensor(caller, "k_scales", *k_scales, n_layers, n_pages, g, k_cache.device());
     s.k_scales = *k_scales;

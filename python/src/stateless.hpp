@@ -1,8 +1,9 @@
 // The stateless ops' shared pieces: how an op's call is checked and run
 // once its cache tensors are validated (op_checks::Storage). The kernels
-// are the C++ library's own (kernels.hpp, quant_kernels.hpp,
-// attention.hpp), chosen as PagedCache chooses them: hand-written on CPU
-// tensors, the device-agnostic ATen path on any other device.
+// are the C++ library's own, reached through the operations layer
+// (pagedkv/ops/) exactly as PagedCache reaches them: the CPU kernels for
+// CPU tensors, the CUDA kernels for CUDA tensors in a CUDA build, the ATen
+// path on any other device.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,12 +19,6 @@ namespace pagedkv_py {
 
 /// The page table on the host (a device table is copied once, as the classes do).
 inline at::Tensor on_host(const at::Tensor& t) { return t.device().is_cpu() ? t : t.to(at::kCPU); }
-
-/// Positions [0, lengths[b]) of every row of a validated host page table
-/// into [B, n_tokens, H, D] of `dtype`, zeros past a length (cache.cpp).
-std::pair<at::Tensor, at::Tensor> gather_pages(const op_checks::Storage& s, int64_t layer,
-                                               const at::Tensor& host_table, const std::vector<int64_t>& lengths,
-                                               int64_t n_tokens, at::ScalarType dtype);
 
 /// Runs an op's body; a c10::IndexError (TORCH_CHECK_INDEX, which Python
 /// would raise as IndexError) becomes a c10::Error with the same message,

@@ -9,7 +9,8 @@ namespace pkv {
 PAGEDKV_CUDA_USING_KERNEL_PARAMS
 }
 #include "cuda_sources/common.inc"
-#include "cuda_sources/copy.inc"
+#include "cuda_sources/write_gather.inc"
+#include "cuda_sources/page_copy.inc"
 #include "cuda_sources/quant.inc"
 #include "cuda_sources/attention.inc"
 

@@ -22,7 +22,7 @@
 #include "pagedkv/layouts.hpp"
 
 namespace pagedkv {
-namespace kernels {
+namespace cpu {
 
 /// Byte strides of a [tokens, heads, head_dim] block.
 struct BlockStrides {
@@ -238,5 +238,5 @@ constexpr int64_t kChunkBytes = int64_t{64} << 10;
 inline int64_t grain_for(int64_t bytes_per_item) {
   return std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, bytes_per_item));
 }
-}  // namespace kernels
+}  // namespace cpu
 }  // namespace pagedkv

@@ -18,7 +18,7 @@
 #endif
 
 namespace pagedkv {
-namespace kernels {
+namespace cpu {
 
 /// Storage for the outputs of CPU gathers, recycled once the caller has
 /// dropped every tensor that used it. A fresh large at::empty costs a page
@@ -98,5 +98,5 @@ inline at::Tensor zeroed_storage(at::IntArrayRef shape, const at::TensorOptions&
 #endif
   return raw.narrow(0, offset, bytes).view(dtype).view(shape).zero_();
 }
-}  // namespace kernels
+}  // namespace cpu
 }  // namespace pagedkv

@@ -17,7 +17,7 @@
 #include "pagedkv/page_table.hpp"
 
 namespace pagedkv {
-namespace kernels {
+namespace cpu {
 
 /// k and v of a batch in token-major order [B, S or T, H, D], as raw bytes.
 template <class Byte>
@@ -193,5 +193,5 @@ void gather_cpu(const PageTableRef<Index>& table,    // [B, max_pages]
   };
   parallel_copy(table.rows * cols, grain_for(bytes_per_item), stream, run);
 }
-}  // namespace kernels
+}  // namespace cpu
 }  // namespace pagedkv

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "pagedkv/attention_options.hpp"
 #include "pagedkv/cuda/launch.hpp"
 #include "pagedkv/cuda/params.hpp"
 #include "pagedkv/cuda/write_gather.hpp"
@@ -102,14 +103,15 @@ inline bool attention_supports(int64_t head_dim, const Executor& ex) {
 /// `table`, each query s of sequence b at position lengths[b] - Sq + s
 /// (lengths on the device). Returns [B, Sq, n_heads, D], contiguous.
 /// Inputs are validated by the caller.
-inline at::Tensor attention(Executor& ex, const kernel_params::TableRef& table, const int64_t* lengths,
+inline at::Tensor attention(Executor& ex, const params::TableRef& table, const int64_t* lengths,
                             const at::Tensor& q, const Side (&sides)[2], const PageGeometry& g, at::ScalarType dtype,
-                            int64_t n_pages, double scale) {
+                            int64_t n_pages, const AttentionOptions& options) {
+  const double scale = options.scale;
   const int64_t batch = q.size(0), n_queries = q.size(1), n_heads = q.size(2), D = g.head_dim;
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   if (batch == 0 || n_queries == 0) return out;
   const int dt = dtype_id(dtype);
-  kernel_params::AttentionParams p{};
+  params::AttentionParams p{};
   p.table = table;
   p.lengths = lengths;
   p.q = tokens_ref(q);

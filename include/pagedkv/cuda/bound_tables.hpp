@@ -17,18 +17,6 @@
 
 namespace pagedkv {
 
-/// Where bind puts the device copies of its page table and lengths (caches
-/// that run the CUDA kernels; ignored elsewhere).
-enum class BindBuffers {
-  /// Memory of the view's own: views never disturb each other.
-  fresh,
-  /// The memory the cache keeps for binds of this shape (batch, max_pages,
-  /// table dtype): a CUDA graph captured with an earlier view of the shape
-  /// reads this bind's table and lengths when replayed. An earlier view
-  /// bound into the same memory throws from then on.
-  per_shape,
-};
-
 namespace cuda {
 
 /// Device memory a cache keeps for per_shape binds of one shape.

@@ -1,4 +1,4 @@
-// The Executor that runs a cache's CUDA kernels (kernels::use_cuda_kernels
+// The Executor that runs a cache's CUDA kernels (ops::use_cuda_kernels
 // says which caches run them): the device's, or, while a ScopedExecutor is
 // active, the one it names. Tests route CPU caches through the CUDA path's
 // host code with the CPU emulator that way: its checks, binds and launches
@@ -42,7 +42,7 @@ class ScopedExecutor {
 /// Whether a ScopedExecutor routes CPU caches through the CUDA path.
 inline bool emulated() noexcept { return detail::executor_override() != nullptr; }
 
-/// The executor for a cache on `device` (kernels::use_cuda_kernels(device)).
+/// The executor for a cache on `device` (ops::use_cuda_kernels(device)).
 inline Executor& executor_for(const at::Device& device) {
   Executor* e = detail::executor_override();
 #if PAGEDKV_WITH_CUDA

@@ -42,7 +42,7 @@ inline void copy_pages(Executor& ex, const PageTensor& to, const PageTensor& fro
   if (n == 0 || n_layers == 0) return;
   const int64_t es = to.elem_size;
   const int64_t page_bytes = to.g.page_elems * es;
-  kernel_params::CopyParams p{};
+  params::CopyParams p{};
   p.src = from.data;
   p.dst = to.data;
   p.src_ids = src_ids;
@@ -77,7 +77,7 @@ inline void copy_pages(Executor& ex, const PageTensor& to, const PageTensor& fro
 
 /// A cache's page tensors ([n_layers, n_pages, <page>]: k and v pages,
 /// k and v scales, undefined where a side has none), each with the geometry
-/// of one page (page_copy::page_tensors).
+/// of one page (ops::page_tensors).
 using PageTensors = std::vector<std::pair<at::Tensor, PageGeometry>>;
 
 inline PageTensor page_tensor(const at::Tensor& t, const PageGeometry& g) {
@@ -85,8 +85,8 @@ inline PageTensor page_tensor(const at::Tensor& t, const PageGeometry& g) {
   return {t.data_ptr(), t.stride(0) * es, es, g};
 }
 
-/// page_copy::copy_unchecked's copies when a side runs the CUDA kernels
-/// (`to_cuda`, `from_cuda`: kernels::use_cuda_kernels of each side):
+/// ops::copy_unchecked's copies when a side runs the CUDA kernels
+/// (`to_cuda`, `from_cuda`: ops::use_cuda_kernels of each side):
 /// to[dst[i]] <- from[src[i]], i < n, every page tensor, every layer (ids
 /// validated, on the host). Within one device, one kernel per page tensor
 /// (through a staging buffer when the lists overlap); host -> device, the

@@ -16,7 +16,7 @@
 
 namespace pagedkv {
 namespace cuda {
-namespace kernel_params {
+namespace params {
 
 // The dialect's 64-bit integer (sources/prelude.hpp: long long), as the
 // host spells it: int64_t, so that host pointers convert without casts.
@@ -243,14 +243,14 @@ inline std::string params_source() {
 /// Declares the parameter structs in the current namespace (the emulator
 /// compiles the kernel sources in namespace pkv, as NVRTC does).
 #define PAGEDKV_CUDA_USING_KERNEL_PARAMS                   \
-  using ::pagedkv::cuda::kernel_params::TableRef;        \
-  using ::pagedkv::cuda::kernel_params::TokensRef;       \
-  using ::pagedkv::cuda::kernel_params::PagesRef;        \
-  using ::pagedkv::cuda::kernel_params::WriteParams;     \
-  using ::pagedkv::cuda::kernel_params::GatherParams;    \
-  using ::pagedkv::cuda::kernel_params::CopyParams;      \
-  using ::pagedkv::cuda::kernel_params::AttentionParams;
+  using ::pagedkv::cuda::params::TableRef;        \
+  using ::pagedkv::cuda::params::TokensRef;       \
+  using ::pagedkv::cuda::params::PagesRef;        \
+  using ::pagedkv::cuda::params::WriteParams;     \
+  using ::pagedkv::cuda::params::GatherParams;    \
+  using ::pagedkv::cuda::params::CopyParams;      \
+  using ::pagedkv::cuda::params::AttentionParams;
 
-}  // namespace kernel_params
+}  // namespace params
 }  // namespace cuda
 }  // namespace pagedkv

@@ -13,8 +13,9 @@
 #include "pagedkv/cuda/source_text.hpp"
 #include "pagedkv/cuda/sources/attention.hpp"
 #include "pagedkv/cuda/sources/common.hpp"
-#include "pagedkv/cuda/sources/copy.hpp"
+#include "pagedkv/cuda/sources/page_copy.hpp"
 #include "pagedkv/cuda/sources/prelude.hpp"
+#include "pagedkv/cuda/sources/write_gather.hpp"
 #include "pagedkv/cuda/sources/quant.hpp"
 
 namespace pagedkv {
@@ -34,8 +35,9 @@ inline std::string entry_source(const KernelKey& k) {
 /// A program defining the entry points of `kernels`.
 inline std::string program_source(const std::vector<KernelKey>& kernels) {
   std::string s = with_line(sources::kPrelude);
-  s += "#line 1 \"pagedkv/cuda/params.hpp (rendered)\"\n" + kernel_params::params_source();
-  for (const SourceText* text : {&sources::kCommon, &sources::kCopy, &sources::kQuant, &sources::kAttention}) {
+  s += "#line 1 \"pagedkv/cuda/params.hpp (rendered)\"\n" + params::params_source();
+  for (const SourceText* text : {&sources::kCommon, &sources::kWriteGather, &sources::kPageCopy, &sources::kQuant,
+                                    &sources::kAttention}) {
     s += with_line(*text);
   }
   s += "#line 1 \"pagedkv entry points\"\n";

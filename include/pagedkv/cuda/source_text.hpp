@@ -1,6 +1,6 @@
 // A piece of CUDA kernel source held as text in a header: pagedkv stays
 // header-only and compiles its kernels at run time with NVRTC
-// (cuda/compiler.hpp). The same text is compiled as host C++ by the tests'
+// (cuda/nvrtc.hpp, over the program cuda/program.hpp assembles). The same text is compiled as host C++ by the tests'
 // CPU emulator (tests/cuda_emulator/), which extracts it from the header at
 // build time: there is never a second copy of a kernel.
 #pragma once

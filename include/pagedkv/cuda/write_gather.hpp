@@ -41,12 +41,12 @@ inline KernelKey gather_quantized_kernel(int dtype, KVFormat f) {
 }
 
 /// A page table [rows, cols] (int32 or int64, any strides) as the kernels read it.
-inline kernel_params::TableRef table_ref(const at::Tensor& t) {
+inline params::TableRef table_ref(const at::Tensor& t) {
   return {t.data_ptr(), t.size(0), t.size(1), t.stride(0), t.stride(1), t.scalar_type() == at::kInt ? 1 : 0};
 }
 
 /// A [B, S or T, H, D] tensor with byte strides.
-inline kernel_params::TokensRef tokens_ref(const at::Tensor& t) {
+inline params::TokensRef tokens_ref(const at::Tensor& t) {
   const int64_t es = static_cast<int64_t>(t.element_size());
   return {t.data_ptr(), t.stride(0) * es, t.stride(1) * es, t.stride(2) * es, t.stride(3) * es};
 }
@@ -54,10 +54,10 @@ inline kernel_params::TokensRef tokens_ref(const at::Tensor& t) {
 /// Layer `layer` of one side of a cache: its pages [n_layers, n_pages,
 /// <page>] and, quantized, its scales [n_layers, n_pages, P * H] (undefined
 /// for a native side).
-inline kernel_params::PagesRef pages_ref(const at::Tensor& pages, const at::Tensor& scales, int64_t layer,
+inline params::PagesRef pages_ref(const at::Tensor& pages, const at::Tensor& scales, int64_t layer,
                                          const PageGeometry& g) {
   const int64_t es = static_cast<int64_t>(pages.element_size());
-  kernel_params::PagesRef r{};
+  params::PagesRef r{};
   r.data = static_cast<char*>(pages.data_ptr()) + layer * pages.stride(0) * es;
   r.page_bytes = g.page_elems * es;
   r.token_bytes = g.token_stride * es;
@@ -73,7 +73,7 @@ inline kernel_params::PagesRef pages_ref(const at::Tensor& pages, const at::Tens
 
 /// One side (K or V) of a cache layer.
 struct Side {
-  kernel_params::PagesRef pages;
+  params::PagesRef pages;
   KVFormat format;
 };
 
@@ -103,13 +103,13 @@ inline Dim3 grid_for(int64_t items, int64_t lanes, uint32_t sides) {
 /// one layer's sides through `table`: token s of sequence b at position
 /// start(b) + s. A native side is copied by bytes; a quantized side gets
 /// its codes and scales.
-inline void write(Executor& ex, const kernel_params::TableRef& table, const Starts& starts, const at::Tensor& k,
+inline void write(Executor& ex, const params::TableRef& table, const Starts& starts, const at::Tensor& k,
                   const at::Tensor& v, const Side (&sides)[2], const PageGeometry& g, at::ScalarType dtype,
                   int64_t n_pages) {
   const int64_t batch = k.size(0), n_tokens = k.size(1);
   if (batch == 0 || n_tokens == 0) return;
   const int64_t es = static_cast<int64_t>(k.element_size());
-  kernel_params::WriteParams p{};
+  params::WriteParams p{};
   p.table = table;
   p.k_src = tokens_ref(k);
   p.v_src = tokens_ref(v);
@@ -133,8 +133,8 @@ inline void write(Executor& ex, const kernel_params::TableRef& table, const Star
     uint64_t vec = 16;
     for (int side = 0; side < 2; ++side) {
       if (!native[side]) continue;
-      const kernel_params::TokensRef& src = side == 0 ? p.k_src : p.v_src;
-      const kernel_params::PagesRef& dst = sides[side].pages;
+      const params::TokensRef& src = side == 0 ? p.k_src : p.v_src;
+      const params::PagesRef& dst = sides[side].pages;
       vec = static_cast<uint64_t>(widest_move({vec, static_cast<uint64_t>(row_bytes), detail::address(src.data),
                                                static_cast<uint64_t>(src.batch), static_cast<uint64_t>(src.token),
                                                static_cast<uint64_t>(src.head), detail::address(dst.data),
@@ -150,7 +150,7 @@ inline void write(Executor& ex, const kernel_params::TableRef& table, const Star
   }
   for (int side = 0; side < 2; ++side) {
     if (native[side]) continue;
-    kernel_params::WriteParams q = p;
+    params::WriteParams q = p;
     q.first_side = side;
     q.lanes = lanes_for((g.head_dim + 3) / 4);
     q.row_vec = 0;
@@ -162,13 +162,13 @@ inline void write(Executor& ex, const kernel_params::TableRef& table, const Star
 /// Reads positions [0, length(b)) of every sequence b into k_out, v_out
 /// ([B, T, H, D], contiguous, the logical dtype); length(b) = lengths[b]
 /// (on the device) or `length`. The rest, and unmapped pages, are zeros.
-inline void gather(Executor& ex, const kernel_params::TableRef& table, const int64_t* lengths, int64_t length,
+inline void gather(Executor& ex, const params::TableRef& table, const int64_t* lengths, int64_t length,
                    const Side (&sides)[2], const at::Tensor& k_out, const at::Tensor& v_out, const PageGeometry& g,
                    at::ScalarType dtype, int64_t n_pages) {
   const int64_t batch = k_out.size(0), n_tokens = k_out.size(1);
   if (batch == 0 || n_tokens == 0) return;
   const int64_t es = static_cast<int64_t>(k_out.element_size());
-  kernel_params::GatherParams p{};
+  params::GatherParams p{};
   p.table = table;
   p.k_pages = sides[0].pages;
   p.v_pages = sides[1].pages;
@@ -190,8 +190,8 @@ inline void gather(Executor& ex, const kernel_params::TableRef& table, const int
     uint64_t vec = 16;
     for (int side = 0; side < 2; ++side) {
       if (!native[side]) continue;
-      const kernel_params::TokensRef& out = side == 0 ? p.k_out : p.v_out;
-      const kernel_params::PagesRef& src = sides[side].pages;
+      const params::TokensRef& out = side == 0 ? p.k_out : p.v_out;
+      const params::PagesRef& src = sides[side].pages;
       vec = static_cast<uint64_t>(widest_move({vec, static_cast<uint64_t>(row_bytes), detail::address(out.data),
                                                static_cast<uint64_t>(out.batch), static_cast<uint64_t>(out.token),
                                                static_cast<uint64_t>(out.head), detail::address(src.data),
@@ -207,7 +207,7 @@ inline void gather(Executor& ex, const kernel_params::TableRef& table, const int
   }
   for (int side = 0; side < 2; ++side) {
     if (native[side]) continue;
-    kernel_params::GatherParams q = p;
+    params::GatherParams q = p;
     q.first_side = side;
     q.lanes = lanes_for((g.head_dim + 3) / 4);
     q.row_vec = 0;

@@ -11,16 +11,17 @@
 #include <utility>
 #include <vector>
 
-#include "pagedkv/generic/kernels.hpp"
+#include "pagedkv/attention_options.hpp"
+#include "pagedkv/generic/write_gather.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_table.hpp"
 
 namespace pagedkv {
-namespace attention_kernels {
+namespace generic {
 
 inline at::Tensor attention_over_gathered(const std::pair<at::Tensor, at::Tensor>& kv,
                                           const std::vector<int64_t>& lengths, const at::Tensor& q,
-                                          const PageGeometry& g, double scale);
+                                          const PageGeometry& g, const AttentionOptions& options);
 
 /// Device-agnostic path: gather [B, T, H, D], then a causal masked softmax
 /// in float32 with ATen ops. Same results as the CPU kernel.
@@ -30,10 +31,10 @@ at::Tensor paged_attention_generic(const PageTableRef<Index>& table,     // [B, 
                                    const at::Tensor& q,                  // [B, Sq, n_heads, D]
                                    const at::Tensor& k_layer,            // [n_pages, <page>]
                                    const at::Tensor& v_layer,            // [n_pages, <page>]
-                                   const PageGeometry& g, double scale) {
+                                   const PageGeometry& g, const AttentionOptions& options) {
   const int64_t n_tokens = *std::max_element(lengths.begin(), lengths.end());
-  return attention_over_gathered(kernels::gather_generic(table, lengths, n_tokens, k_layer, v_layer, g), lengths, q,
-                                 g, scale);
+  return attention_over_gathered(generic::gather_generic(table, lengths, n_tokens, k_layer, v_layer, g), lengths, q,
+                                 g, options);
 }
 
 /// The softmax part of paged_attention_generic over k, v already gathered
@@ -42,7 +43,8 @@ at::Tensor paged_attention_generic(const PageTableRef<Index>& table,     // [B, 
 inline at::Tensor attention_over_gathered(const std::pair<at::Tensor, at::Tensor>& kv,
                                           const std::vector<int64_t>& lengths,  // [B]
                                           const at::Tensor& q,                  // [B, Sq, n_heads, D]
-                                          const PageGeometry& g, double scale) {
+                                          const PageGeometry& g, const AttentionOptions& options) {
+  const double scale = options.scale;
   const int64_t batch = q.size(0), n_queries = q.size(1), n_heads = q.size(2), D = q.size(3);
   const int64_t group = n_heads / g.n_heads;
   const int64_t n_tokens = kv.first.size(1);
@@ -54,7 +56,7 @@ inline at::Tensor attention_over_gathered(const std::pair<at::Tensor, at::Tensor
   at::Tensor scores = at::matmul(qf, k).mul_(scale).view({batch, g.n_heads, n_queries, group, n_tokens});
   // Query s of sequence b sits at lengths[b] - Sq + s and sees positions <= it.
   const at::Tensor positions = at::arange(n_tokens, q.options().dtype(at::kLong));               // [T]
-  const at::Tensor last = kernels::host_index(lengths, q.device()).view({batch, 1}) - n_queries +
+  const at::Tensor last = generic::host_index(lengths, q.device()).view({batch, 1}) - n_queries +
                           at::arange(n_queries, q.options().dtype(at::kLong)).view({1, n_queries});  // [B, Sq]
   const at::Tensor hidden = positions.view({1, 1, n_tokens}).gt(last.unsqueeze(2));              // [B, Sq, T]
   scores.masked_fill_(hidden.view({batch, 1, n_queries, 1, n_tokens}), -std::numeric_limits<double>::infinity());
@@ -67,5 +69,5 @@ inline at::Tensor attention_over_gathered(const std::pair<at::Tensor, at::Tensor
       .contiguous();
 }
 
-}  // namespace attention_kernels
+}  // namespace generic
 }  // namespace pagedkv

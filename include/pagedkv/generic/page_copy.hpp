@@ -9,10 +9,10 @@
 #include <cstdint>
 #include <vector>
 
-#include "pagedkv/generic/kernels.hpp"
+#include "pagedkv/generic/write_gather.hpp"
 
 namespace pagedkv {
-namespace page_copy {
+namespace generic {
 
 /// Device-agnostic: to[:, dst] = from[:, src] (relayout by transpose); the
 /// index_select materialises every source page before any write, so
@@ -21,7 +21,7 @@ inline void copy_generic(const at::Tensor& to, const at::Tensor& from, const int
                          int64_t n, bool same_layout) {
   if (n == 0) return;
   const auto list = [n](const int64_t* ids, const at::Device& device) {
-    return kernels::host_index(std::vector<int64_t>(ids, ids + n), device);
+    return generic::host_index(std::vector<int64_t>(ids, ids + n), device);
   };
   at::Tensor pages = from.index_select(1, list(src, from.device()));
   // [L, n, a, b, D]: NHD pages are [P, H, D] and HND pages [H, P, D].
@@ -30,5 +30,5 @@ inline void copy_generic(const at::Tensor& to, const at::Tensor& from, const int
   to.index_copy_(1, list(dst, to.device()), pages);
 }
 
-}  // namespace page_copy
+}  // namespace generic
 }  // namespace pagedkv

@@ -4,7 +4,7 @@
 #include <cstdint>
 
 namespace pagedkv {
-namespace attention_kernels {
+namespace simd {
 
 /// Tokens whose keys (and values) are read and converted at once: one block
 /// is shared by every query row of a work item.
@@ -18,5 +18,5 @@ constexpr int64_t kMinSplitTokens = 256;
 /// them (the query heads of a GQA group).
 constexpr int kRowsAtOnce = 4;
 
-}  // namespace attention_kernels
+}  // namespace simd
 }  // namespace pagedkv

@@ -10,7 +10,7 @@
 #include <cstring>
 
 namespace pagedkv {
-namespace attention_kernels {
+namespace simd {
 
 inline float float_from_bits(uint32_t bits) noexcept {
   float f;
@@ -75,5 +75,5 @@ inline const E* row_as(const void* row) noexcept {
   return static_cast<const E*>(row);
 }
 
-}  // namespace attention_kernels
+}  // namespace simd
 }  // namespace pagedkv

@@ -18,7 +18,7 @@
 #endif
 
 namespace pagedkv {
-namespace attention_kernels {
+namespace simd {
 
 enum class Isa { best, portable, avx2, avx512 };
 
@@ -179,5 +179,5 @@ class ScopedIsa {
   Isa previous_;
 };
 
-}  // namespace attention_kernels
+}  // namespace simd
 }  // namespace pagedkv

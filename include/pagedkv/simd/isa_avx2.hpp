@@ -24,7 +24,7 @@
 #define PAGEDKV_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace pagedkv {
-namespace attention_kernels {
+namespace simd {
 
 struct Avx2 {
   /// scores and accumulate read the pages' own elements.
@@ -261,7 +261,7 @@ struct Avx2 {
   }
 };
 
-}  // namespace attention_kernels
+}  // namespace simd
 }  // namespace pagedkv
 
 #endif  // __GNUC__ && __x86_64__

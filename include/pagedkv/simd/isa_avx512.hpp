@@ -36,7 +36,7 @@
 #endif
 
 namespace pagedkv {
-namespace attention_kernels {
+namespace simd {
 
 struct Avx512 {
   /// scores and accumulate read the pages' own elements.
@@ -321,7 +321,7 @@ struct Avx512 {
   }
 };
 
-}  // namespace attention_kernels
+}  // namespace simd
 }  // namespace pagedkv
 
 #ifdef PAGEDKV_AVX512_DIAGNOSTICS_PUSHED

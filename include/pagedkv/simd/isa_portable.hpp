@@ -25,7 +25,7 @@
 #include "pagedkv/simd/convert.hpp"
 
 namespace pagedkv {
-namespace attention_kernels {
+namespace simd {
 
 struct Portable {
   /// scores and accumulate read float32 copies of a block (load_block converts).
@@ -143,5 +143,5 @@ struct Portable {
   }
 };
 
-}  // namespace attention_kernels
+}  // namespace simd
 }  // namespace pagedkv

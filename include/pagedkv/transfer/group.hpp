@@ -20,7 +20,7 @@
 
 namespace pagedkv {
 
-namespace transfer_detail {
+namespace transfer {
 
 using Clock = std::chrono::steady_clock;
 
@@ -97,6 +97,6 @@ inline std::vector<int64_t> words_of(const at::Tensor& t) {
   return std::vector<int64_t>(p, p + host.numel());
 }
 
-}  // namespace transfer_detail
+}  // namespace transfer
 
 }  // namespace pagedkv

@@ -25,14 +25,14 @@
 
 namespace pagedkv {
 
-namespace transfer_detail {
+namespace transfer {
 
 /// receive, step 1: waits for the header of transfer `transfer_id` from
 /// `src_rank` and returns its words (not yet checked).
 template <class Group>
 std::vector<int64_t> receive_header(const checks::Caller& caller, Group& group, int src_rank, int64_t transfer_id,
                                     const at::Device& device, Clock::time_point deadline) {
-  namespace w = transfer_wire;
+  namespace w = transfer::wire;
   const at::Tensor header_buf = at::zeros({w::kHeaderWords}, at::TensorOptions().dtype(at::kLong).device(device));
   std::vector<decltype(recv_one(group, header_buf, src_rank, w::kHeaderTag))> header_work{
       recv_one(group, header_buf, src_rank, w::kHeaderTag)};
@@ -41,10 +41,10 @@ std::vector<int64_t> receive_header(const checks::Caller& caller, Group& group, 
   return words_of(header_buf);
 }
 
-/// What the receiver answers a header: transfer_wire::accept, or the
+/// What the receiver answers a header: transfer::wire::accept, or the
 /// verdict, its detail word and the reason for the error message.
 struct HeaderVerdict {
-  int64_t verdict;     ///< a transfer_wire::Verdict
+  int64_t verdict;     ///< a transfer::wire::Verdict
   int64_t detail;      ///< the reply's detail word (the expected id, or the free pages)
   std::string reason;  ///< why a header is rejected; empty when accepted
 };
@@ -53,7 +53,7 @@ struct HeaderVerdict {
 /// before anything is allocated (the first failing check decides).
 template <class Layout>
 HeaderVerdict check_header(const PagedCache<Layout>& cache, const std::vector<int64_t>& h, int64_t transfer_id) {
-  namespace w = transfer_wire;
+  namespace w = transfer::wire;
   int64_t verdict = w::accept;
   int64_t detail = 0;
   std::string reason;
@@ -140,7 +140,7 @@ template <class Group, class Layout>
 at::Tensor receive_payload(const checks::Caller& caller, Group& group, int src_rank, const PagedCache<Layout>& cache,
                            const std::vector<int64_t>& h, const LayerSections& sections, int64_t transfer_id,
                            Clock::time_point deadline) {
-  namespace w = transfer_wire;
+  namespace w = transfer::wire;
   const at::Device device = cache.device();
   const int64_t n = h[w::n_pages];
   const bool quantized = is_quantized(cache.quant());
@@ -149,9 +149,9 @@ at::Tensor receive_payload(const checks::Caller& caller, Group& group, int src_r
     const auto page = h[w::layout] == 1
                           ? HND::page_shape(cache.page_size(), cache.n_kv_heads(), cache.head_dim())
                           : NHD::page_shape(cache.page_size(), cache.n_kv_heads(), cache.head_dim());
-    staging = quantized ? transfer_detail::staging(StagingRole::recv, {cache.n_layers(), sections.bytes},
+    staging = quantized ? transfer::staging(StagingRole::recv, {cache.n_layers(), sections.bytes},
                                                    at::TensorOptions().dtype(at::kByte).device(device))
-                        : transfer_detail::staging(StagingRole::recv,
+                        : transfer::staging(StagingRole::recv,
                                                    {cache.n_layers(), 2, n, page[0], page[1], page[2]},
                                                    cache.k_cache().options());
     std::vector<decltype(recv_one(group, staging[0], src_rank, w::kPayloadTag))> payload;
@@ -177,7 +177,7 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
                                                  std::chrono::milliseconds timeout,
                                                  const std::function<std::vector<int64_t>(int64_t, int64_t)>& allocate,
                                                  const std::function<void(const std::vector<int64_t>&)>& undo) {
-  namespace w = transfer_wire;
+  namespace w = transfer::wire;
   peer_rank(caller, "src_rank", group, src_rank);
   positive_timeout(caller, timeout);
   const auto deadline = Clock::now() + timeout;
@@ -229,6 +229,6 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
   return {pages, h[w::n_tokens]};
 }
 
-}  // namespace transfer_detail
+}  // namespace transfer
 
 }  // namespace pagedkv

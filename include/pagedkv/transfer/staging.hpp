@@ -9,7 +9,7 @@
 
 namespace pagedkv {
 
-namespace transfer_detail {
+namespace transfer {
 
 /// Which staging buffer: the sender's (packed payload) or the receiver's.
 enum class StagingRole { send = 0, recv = 1 };
@@ -39,6 +39,6 @@ inline at::Tensor staging(StagingRole role, at::IntArrayRef shape, const at::Ten
 /// buffer (it keeps the memory alive through its work): never reuse it.
 inline void drop_staging(StagingRole role) { staging_slot(role) = at::Tensor(); }
 
-}  // namespace transfer_detail
+}  // namespace transfer
 
 }  // namespace pagedkv

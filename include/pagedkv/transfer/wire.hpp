@@ -20,7 +20,8 @@
 namespace pagedkv {
 
 /// The wire format: fixed, versioned, documented for other implementations.
-namespace transfer_wire {
+namespace transfer {
+namespace wire {
 
 constexpr int64_t kMagic = 0x564B444547415050;       // "PPAGEDKV" little-endian
 constexpr int64_t kReplyMagic = 0x594C504556444B50;  // reply
@@ -79,7 +80,7 @@ constexpr int64_t layout_code() {
 }
 
 /// Byte strides of one payload page: `width` heads in the layout `code`.
-inline kernels::BlockStrides page_strides(int64_t code, int64_t page_size, int64_t width, int64_t head_dim,
+inline cpu::BlockStrides page_strides(int64_t code, int64_t page_size, int64_t width, int64_t head_dim,
                                           int64_t es) {
   if (code == 1) return {head_dim * es, page_size * head_dim * es, es};
   return {width * head_dim * es, head_dim * es, es};
@@ -93,9 +94,10 @@ constexpr int64_t kSectionAlign = 16;
 /// `bytes` rounded up to a multiple of kSectionAlign.
 constexpr int64_t padded(int64_t bytes) { return (bytes + kSectionAlign - 1) / kSectionAlign * kSectionAlign; }
 
-}  // namespace transfer_wire
+}  // namespace wire
+}  // namespace transfer
 
-namespace transfer_detail {
+namespace transfer {
 
 /// Bytes of one page's head slice.
 inline int64_t slice_bytes(int64_t page_size, int64_t width, int64_t head_dim, int64_t es) {
@@ -103,7 +105,7 @@ inline int64_t slice_bytes(int64_t page_size, int64_t width, int64_t head_dim, i
 }
 
 /// Where the sections of one layer's message lie when the cache has a
-/// quantized side (byte offsets into the message; transfer_wire).
+/// quantized side (byte offsets into the message; transfer::wire).
 struct LayerSections {
   int64_t elements[2];    ///< k, v: codes, or a native side's elements
   int64_t scales[2];      ///< k, v scales; -1 for a native side
@@ -116,7 +118,7 @@ struct LayerSections {
 /// The sections of a message carrying n pages' slices of `width` heads.
 template <class Layout>
 LayerSections layer_sections(const PagedCache<Layout>& cache, int64_t n, int64_t width) {
-  namespace w = transfer_wire;
+  namespace w = transfer::wire;
   const at::Tensor* pages[2] = {&cache.k_cache(), &cache.v_cache()};
   const bool quantized[2] = {is_quantized(cache.quant().k), is_quantized(cache.quant().v)};
   LayerSections s{};
@@ -151,7 +153,7 @@ int64_t payload_bytes(const PagedCache<Layout>& cache, int64_t n, int64_t width)
 template <class Layout>
 std::vector<int64_t> header_words(const PagedCache<Layout>& cache, int64_t n, int64_t n_tokens, int64_t transfer_id,
                                   HeadRange heads) {
-  namespace w = transfer_wire;
+  namespace w = transfer::wire;
   const int64_t width = heads.end - heads.begin;
   std::vector<int64_t> h(static_cast<size_t>(w::kHeaderWords), 0);
   h[w::magic] = w::kMagic;
@@ -176,6 +178,6 @@ std::vector<int64_t> header_words(const PagedCache<Layout>& cache, int64_t n, in
   return h;
 }
 
-}  // namespace transfer_detail
+}  // namespace transfer
 
 }  // namespace pagedkv

@@ -35,7 +35,8 @@
 #include "pagedkv/simd/isa_avx512.hpp"
 
 namespace pagedkv {
-namespace attention_kernels {
+namespace cpu {
+namespace attention {
 
 /// The decode step of an instruction set's Ops (none: the general loop).
 template <class Ops>
@@ -48,7 +49,7 @@ struct DecodeStepOf {
 
 #ifdef PAGEDKV_ATTENTION_AVX2
 template <>
-struct DecodeStepOf<Avx2> {
+struct DecodeStepOf<simd::Avx2> {
   static constexpr bool kAvailable = true;
   static constexpr bool kDotsBf16 = false;
   using Kernel = Avx2Decode;
@@ -63,7 +64,7 @@ struct DecodeStepOf<Avx2> {
 // the 256-bit one's time ("The decode step in 512 bits").
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
 template <>
-struct DecodeStepOf<Avx512> {
+struct DecodeStepOf<simd::Avx512> {
   static constexpr bool kAvailable = true;
   static constexpr bool kDotsBf16 = true;
   using Kernel = Avx2Decode;
@@ -107,8 +108,8 @@ inline bool takes_wide_decode_step() {
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
   switch (decode_step_override()) {
     case DecodeStep::avx2: return false;
-    case DecodeStep::avx512: return cpu_has_avx512();
-    default: return cpu_has_wide_fmas();
+    case DecodeStep::avx512: return simd::cpu_has_avx512();
+    default: return simd::cpu_has_wide_fmas();
   }
 #else
   return false;
@@ -121,15 +122,15 @@ inline bool takes_wide_decode_step() {
 /// takes the general loop: on AVX-512 machines the kernel's path
 /// (selected_isa) and its decode step may differ, and bench/report prints
 /// both.
-inline const char* decode_step_isa_name(Isa isa) {
+inline const char* decode_step_isa_name(simd::Isa isa) {
   switch (isa) {
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
-    case Isa::avx512:
+    case simd::Isa::avx512:
       if (takes_wide_decode_step()) return WideDecodeStep::Kernel::kIsaName;
-      return cpu_has_avx512_bf16() ? "avx2, bf16 scores by avx512_bf16" : DecodeStepOf<Avx512>::Kernel::kIsaName;
+      return simd::cpu_has_avx512_bf16() ? "avx2, bf16 scores by avx512_bf16" : DecodeStepOf<simd::Avx512>::Kernel::kIsaName;
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX2
-    case Isa::avx2: return DecodeStepOf<Avx2>::Kernel::kIsaName;
+    case simd::Isa::avx2: return DecodeStepOf<simd::Avx2>::Kernel::kIsaName;
 #endif
     default: return nullptr;
   }
@@ -184,7 +185,7 @@ void decode_item_of(const Pr& pr, const Work& w,
   const T* q_item_given = pr.q_given + q_offset;    // [nh * G, D]
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
   constexpr bool kMayDot = StepOf::kDotsBf16 && std::is_same<E, c10::BFloat16>::value;
-  [[maybe_unused]] const bool dots = kMayDot && cpu_has_avx512_bf16();
+  [[maybe_unused]] const bool dots = kMayDot && simd::cpu_has_avx512_bf16();
 #endif
   // A token's vectors of every head of the item lie in one run (NHD pages,
   // all heads): read ahead in memory order, 1 / nh of it per head.
@@ -256,7 +257,7 @@ void decode_item_of(const Pr& pr, const Work& w,
               std::is_same<E, T>::value ? reinterpret_cast<const E*>(q_item_given + r0 * D) : nullptr,
               pr.scale};
         };
-        if constexpr (std::is_same<E, E4m3Code>::value) {
+        if constexpr (std::is_same<E, simd::E4m3Code>::value) {
           if (G > Step::kRows && D <= Step::kMaxWidenedDim) {  // the head's codes widened once for all G rows
             Step::run_widened_head(operands(h * G, true), G);
             continue;
@@ -290,7 +291,7 @@ void decode_item_by(const Pr& pr, const Work& w,
                     float* max,      // [nh * G]
                     float* sum) {    // [nh * G]
   switch (pr.k.format) {
-    case KVFormat::fp8_e4m3: return decode_item_of<StepOf, E4m3Code, T>(pr, w, acc_all, max, sum);
+    case KVFormat::fp8_e4m3: return decode_item_of<StepOf, simd::E4m3Code, T>(pr, w, acc_all, max, sum);
     case KVFormat::int8: return decode_item_of<StepOf, int8_t, T>(pr, w, acc_all, max, sum);
     default: return decode_item_of<StepOf, T, T>(pr, w, acc_all, max, sum);
   }
@@ -308,12 +309,13 @@ void decode_item(const Pr& pr, const Work& w,
                  float* max,      // [nh * G]
                  float* sum) {    // [nh * G]
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
-  if constexpr (std::is_same<Ops, Avx512>::value) {
+  if constexpr (std::is_same<Ops, simd::Avx512>::value) {
     if (pr.wide_decode_step) return decode_item_by<WideDecodeStep, T>(pr, w, acc_all, max, sum);
   }
 #endif
   decode_item_by<DecodeStepOf<Ops>, T>(pr, w, acc_all, max, sum);
 }
 
-}  // namespace attention_kernels
+}  // namespace attention
+}  // namespace cpu
 }  // namespace pagedkv

@@ -22,7 +22,8 @@
 #include "pagedkv/cpu/attention/prefetch.hpp"
 
 namespace pagedkv {
-namespace attention_kernels {
+namespace cpu {
+namespace attention {
 
 /// Keys one decode step scores at most: the softmax state of every row
 /// is updated once per step.
@@ -43,18 +44,18 @@ struct E4m3AsHalf {
 /// code_unit(format) x scale x code (kernel.hpp).
 template <class E>
 constexpr bool kIsCode =
-    std::is_same<E, E4m3Code>::value || std::is_same<E, E4m3AsHalf>::value || std::is_same<E, int8_t>::value;
+    std::is_same<E, simd::E4m3Code>::value || std::is_same<E, E4m3AsHalf>::value || std::is_same<E, int8_t>::value;
 
 /// What a code's scale is multiplied by (kernel.hpp's code_unit, per type):
 /// fp8 codes load as e4m3(c) / 2^8.
 template <class E>
 constexpr float kCodeUnit =
-    std::is_same<E, E4m3Code>::value || std::is_same<E, E4m3AsHalf>::value ? kE4m3ViaHalfFactor : 1.0f;
+    std::is_same<E, simd::E4m3Code>::value || std::is_same<E, E4m3AsHalf>::value ? simd::kE4m3ViaHalfFactor : 1.0f;
 
 /// 8 elements as float32: Avx2::load8, and widened fp8 codes as fp16.
 template <class E>
 PAGEDKV_TARGET_AVX2 inline __m256 decode_load8(const E* p) noexcept {
-  return Avx2::load8(p);
+  return simd::Avx2::load8(p);
 }
 PAGEDKV_TARGET_AVX2 inline __m256 decode_load8(const E4m3AsHalf* p) noexcept {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -164,7 +165,7 @@ struct Avx2Decode {
   /// (B2xT2048 NHD from L3: 1.21-1.22 ms against 1.18-1.20 ms).
   template <int R, class E>
   PAGEDKV_TARGET_AVX2 __attribute__((noinline)) static void run(const Operands<E>& st) noexcept {
-    if constexpr (std::is_same<E, E4m3Code>::value) {
+    if constexpr (std::is_same<E, simd::E4m3Code>::value) {
       if (st.head_dim <= kMaxWidenedDim) return run_widened<Avx2Decode, R>(st);
     }
     alignas(32) float scores[kDecodeKeys * kRows];  // [key, row]
@@ -183,7 +184,7 @@ struct Avx2Decode {
   /// group of 8, a step per 4 rows widened each code twice: bench/NOTES.md,
   /// "Fp8 codes widened once per kv head"). st's q, max, sum and acc point
   /// at the first row; the rows follow each other. head_dim <= kMaxWidenedDim.
-  PAGEDKV_TARGET_AVX2 __attribute__((noinline)) static void run_widened_head(const Operands<E4m3Code>& st,
+  PAGEDKV_TARGET_AVX2 __attribute__((noinline)) static void run_widened_head(const Operands<simd::E4m3Code>& st,
                                                                               int64_t rows) noexcept {
     widened_head<Avx2Decode>(st, rows);
   }
@@ -191,7 +192,7 @@ struct Avx2Decode {
  protected:
   /// run_widened_head with Step's passes (this step's, or Avx512Decode's).
   template <class Step>
-  PAGEDKV_TARGET_AVX2 __attribute__((always_inline)) static inline void widened_head(const Operands<E4m3Code>& st,
+  PAGEDKV_TARGET_AVX2 __attribute__((always_inline)) static inline void widened_head(const Operands<simd::E4m3Code>& st,
                                                                                      int64_t rows) noexcept {
     alignas(32) E4m3AsHalf keys[kDecodeKeys * kMaxWidenedDim];    // [n, D]
     alignas(32) E4m3AsHalf values[kDecodeKeys * kMaxWidenedDim];  // [n, D]
@@ -217,7 +218,7 @@ struct Avx2Decode {
   /// the decode step"). Step: whose passes (this step's, Avx512Decode's).
   template <class Step, int R>
   PAGEDKV_TARGET_AVX2 __attribute__((always_inline)) static inline void run_widened(
-      const Operands<E4m3Code>& st) noexcept {
+      const Operands<simd::E4m3Code>& st) noexcept {
     alignas(32) E4m3AsHalf keys[kDecodeKeys * kMaxWidenedDim];    // [n, D]
     alignas(32) E4m3AsHalf values[kDecodeKeys * kMaxWidenedDim];  // [n, D]
     widen_e4m3(st.keys, st.stride, st.n, st.head_dim, keys);
@@ -226,7 +227,7 @@ struct Avx2Decode {
 
   /// The operands of st's rows r0.. over widened keys and values (a
   /// stride of D), with st's scales; `first`: with st's read-ahead.
-  PAGEDKV_TARGET_AVX2 static Operands<E4m3AsHalf> widened(const Operands<E4m3Code>& st, int64_t r0,
+  PAGEDKV_TARGET_AVX2 static Operands<E4m3AsHalf> widened(const Operands<simd::E4m3Code>& st, int64_t r0,
                                                           const E4m3AsHalf* keys, const E4m3AsHalf* values,
                                                           bool first) noexcept {
     const int64_t D = st.head_dim;
@@ -253,7 +254,7 @@ struct Avx2Decode {
   /// nullptr (widened by an earlier group of rows).
   template <class Step, int R>
   PAGEDKV_TARGET_AVX2 __attribute__((always_inline)) static inline void widened_passes(
-      const Operands<E4m3AsHalf>& wide, const Operands<E4m3Code>& codes,
+      const Operands<E4m3AsHalf>& wide, const Operands<simd::E4m3Code>& codes,
       E4m3AsHalf* values) noexcept {  // [n, D] or nullptr
     alignas(32) float scores[kDecodeKeys * kRows];  // [key, row]
     score<Step, R>(wide, scores);
@@ -264,7 +265,7 @@ struct Avx2Decode {
 
   /// out[j * D + d] = the fp16 bits of in[j * stride + d] for j < n, d < D
   /// (a multiple of 16): Avx2::load8's decode over 16 lanes.
-  PAGEDKV_TARGET_AVX2 static void widen_e4m3(const E4m3Code* in, int64_t stride, int64_t n, int64_t D,
+  PAGEDKV_TARGET_AVX2 static void widen_e4m3(const simd::E4m3Code* in, int64_t stride, int64_t n, int64_t D,
                                               E4m3AsHalf* out) noexcept {
     const __m256i keep = _mm256_set1_epi16(-0x4001);  // all but bit 14, the sign's second copy
     for (int64_t j = 0; j < n; ++j) {
@@ -330,7 +331,7 @@ struct Avx2Decode {
       for (int k = 0; k < K; ++k) x[k] = decode_load8(key[k] + d);
       for (int r = 0; r < R; ++r) {
         __m256 q_d = _mm256_loadu_ps(q + r * D + d);
-        if constexpr (K == 2) q_d = Avx2::in_register(q_d);
+        if constexpr (K == 2) q_d = simd::Avx2::in_register(q_d);
         for (int k = 0; k < K; ++k) acc[k][r] = _mm256_fmadd_ps(x[k], q_d, acc[k][r]);
       }
     }
@@ -364,7 +365,7 @@ struct Avx2Decode {
 
   /// [sum of v[0], ..., sum of v[3]]: the four rows' dot products of one key.
   PAGEDKV_TARGET_AVX2 static __m128 sum_rows(const __m256 (&v)[kRows]) noexcept {
-    return Avx2::sum4(v[0], v[1], v[2], v[3]);
+    return simd::Avx2::sum4(v[0], v[1], v[2], v[3]);
   }
 
   /// The online softmax over the step's keys, every row at once: new
@@ -392,13 +393,13 @@ struct Avx2Decode {
     // exp(old - new): 1 where the maximum stayed, 0-ish (1e-38) on the first
     // step, where old is -inf and sum and acc are 0.
     const __m128 correction =
-        _mm256_castps256_ps128(Avx2::exp_non_positive(_mm256_set_m128(_mm_setzero_ps(), _mm_sub_ps(old_max, new_max))));
+        _mm256_castps256_ps128(simd::Avx2::exp_non_positive(_mm256_set_m128(_mm_setzero_ps(), _mm_sub_ps(old_max, new_max))));
     const __m256 shift = _mm256_set_m128(new_max, new_max);
     __m256 total = _mm256_setzero_ps();
     for (int64_t p = 0; p < pairs; ++p) {
       const __m256 two_keys =
           _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_load_ps(scores + p * 8)), _mm_load_ps(scores + p * 8 + 4), 1);
-      __m256 e = Avx2::exp_non_positive(_mm256_sub_ps(two_keys, shift));
+      __m256 e = simd::Avx2::exp_non_positive(_mm256_sub_ps(two_keys, shift));
       if (odd && p == pairs - 1) e = _mm256_blend_ps(e, _mm256_setzero_ps(), 0xF0);  // an odd n's copy of its last key
       total = _mm256_add_ps(total, e);
       if constexpr (kIsCode<E>) {
@@ -417,7 +418,7 @@ struct Avx2Decode {
     for (int r = 0; r < R; ++r) {
       st.max[r] = state[0][r];
       st.sum[r] = state[1][r];
-      if (factor[r] != 1.0f) Avx2::scale(st.acc + r * st.head_dim, factor[r], st.head_dim);
+      if (factor[r] != 1.0f) simd::Avx2::scale(st.acc + r * st.head_dim, factor[r], st.head_dim);
     }
   }
 
@@ -457,7 +458,8 @@ struct Avx2Decode {
 
 };
 
-}  // namespace attention_kernels
+}  // namespace attention
+}  // namespace cpu
 }  // namespace pagedkv
 
 #endif  // PAGEDKV_ATTENTION_AVX2

@@ -33,7 +33,8 @@
 #endif
 
 namespace pagedkv {
-namespace attention_kernels {
+namespace cpu {
+namespace attention {
 
 struct Avx512Decode : Avx2Decode {
   /// The step's instruction set, as isa_name() spells it (hides Avx2Decode's,
@@ -48,7 +49,7 @@ struct Avx512Decode : Avx2Decode {
   /// Scores, softmax update and values of one step (R in 1..4).
   template <int R, class E>
   PAGEDKV_TARGET_AVX512 __attribute__((noinline)) static void run(const Operands<E>& st) noexcept {
-    if constexpr (std::is_same<E, E4m3Code>::value) {
+    if constexpr (std::is_same<E, simd::E4m3Code>::value) {
       if (st.head_dim <= kMaxWidenedDim) return run_widened<Avx512Decode, R>(st);
     }
     alignas(32) float scores[kDecodeKeys * kRows];  // [key, row]
@@ -58,7 +59,7 @@ struct Avx512Decode : Avx2Decode {
   }
 
   /// Avx2Decode::run_widened_head with this step's passes.
-  PAGEDKV_TARGET_AVX512 __attribute__((noinline)) static void run_widened_head(const Operands<E4m3Code>& st,
+  PAGEDKV_TARGET_AVX512 __attribute__((noinline)) static void run_widened_head(const Operands<simd::E4m3Code>& st,
                                                                                 int64_t rows) noexcept {
     widened_head<Avx512Decode>(st, rows);
   }
@@ -69,7 +70,7 @@ struct Avx512Decode : Avx2Decode {
   /// 16 elements as float32: Avx512::load16, and widened fp8 codes as fp16.
   template <class E>
   PAGEDKV_TARGET_AVX512 static __m512 load16(const E* p) noexcept {
-    return Avx512::load16(p);
+    return simd::Avx512::load16(p);
   }
   PAGEDKV_TARGET_AVX512 static __m512 load16(const E4m3AsHalf* p) noexcept {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -102,7 +103,7 @@ struct Avx512Decode : Avx2Decode {
         for (int k = 0; k < K; ++k) acc[k][r] = _mm512_fmadd_ps(x[k], q_d, acc[k][r]);
       }
     }
-    for (int k = 0; k < K; ++k) store_scores(st, j, k, Avx512::sum4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]), out);
+    for (int k = 0; k < K; ++k) store_scores(st, j, k, simd::Avx512::sum4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]), out);
   }
 
   /// acc[r] += sum_j weights[j * 4 + r] * value j: 32 of D at a time (two
@@ -152,7 +153,8 @@ struct Avx512Decode : Avx2Decode {
   }
 };
 
-}  // namespace attention_kernels
+}  // namespace attention
+}  // namespace cpu
 }  // namespace pagedkv
 
 #ifdef PAGEDKV_DECODE_AVX512_DIAGNOSTICS_PUSHED

@@ -24,7 +24,8 @@
 #include <cstdint>
 
 namespace pagedkv {
-namespace attention_kernels {
+namespace cpu {
+namespace attention {
 
 struct Avx512Bf16Decode : Avx2Decode {
   /// Scores (by dot products), softmax update and values of one step (R in
@@ -68,7 +69,8 @@ struct Avx512Bf16Decode : Avx2Decode {
   }
 };
 
-}  // namespace attention_kernels
+}  // namespace attention
+}  // namespace cpu
 }  // namespace pagedkv
 
 #endif  // PAGEDKV_ATTENTION_AVX2 && PAGEDKV_ATTENTION_AVX512

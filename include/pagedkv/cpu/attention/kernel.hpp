@@ -26,6 +26,7 @@
 #include "pagedkv/cpu/attention/decode.hpp"
 #include "pagedkv/cpu/attention/plan.hpp"
 #include "pagedkv/cpu/attention/prefetch.hpp"
+#include "pagedkv/attention_options.hpp"
 #include "pagedkv/cpu/write_gather.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
@@ -35,7 +36,8 @@
 #include "pagedkv/simd/isa.hpp"
 
 namespace pagedkv {
-namespace attention_kernels {
+namespace cpu {
+namespace attention {
 
 /// One side (K or V) of one layer as the kernel reads it.
 struct KVSide {
@@ -50,14 +52,14 @@ struct KVSide {
 /// Layer `layer` of a cache side: its pages [L, N, <page>] and, quantized,
 /// its scales [L, N, P * H] (undefined for a native side).
 inline KVSide layer_side(const at::Tensor& pages, const at::Tensor& scales, KVFormat format, int64_t layer) {
-  return KVSide{kernels::layer_bytes(pages, layer), static_cast<int64_t>(pages.element_size()), format,
-                is_quantized(format) ? kernels::layer_floats(scales, layer) : nullptr};
+  return KVSide{cpu::layer_bytes(pages, layer), static_cast<int64_t>(pages.element_size()), format,
+                is_quantized(format) ? cpu::layer_floats(scales, layer) : nullptr};
 }
 
 /// What a code's scale is multiplied by so that scale * (decoded code) is
 /// the stored value: fp8 codes decode to e4m3(c) / 2^8 (simd/convert.hpp).
 inline float code_unit(KVFormat format) noexcept {
-  return format == KVFormat::fp8_e4m3 ? kE4m3ViaHalfFactor : 1.0f;
+  return format == KVFormat::fp8_e4m3 ? simd::kE4m3ViaHalfFactor : 1.0f;
 }
 
 /// Raw operands of one call.
@@ -105,17 +107,17 @@ struct Scratch {
       if (buffer.size() < static_cast<size_t>(size)) buffer.resize(static_cast<size_t>(size));
     };
     if (copies) {
-      grow(scratch.k, heads * kKeyBlock * head_dim);
-      grow(scratch.v, heads * kKeyBlock * head_dim);
+      grow(scratch.k, heads * simd::kKeyBlock * head_dim);
+      grow(scratch.v, heads * simd::kKeyBlock * head_dim);
     }
-    grow(scratch.k_rows, 2 * heads * kKeyBlock);
-    grow(scratch.v_rows, 2 * heads * kKeyBlock);
-    grow(scratch.k_scales, 2 * heads * kKeyBlock);
-    grow(scratch.v_scales, 2 * heads * kKeyBlock);
+    grow(scratch.k_rows, 2 * heads * simd::kKeyBlock);
+    grow(scratch.v_rows, 2 * heads * simd::kKeyBlock);
+    grow(scratch.k_scales, 2 * heads * simd::kKeyBlock);
+    grow(scratch.v_scales, 2 * heads * simd::kKeyBlock);
     grow(scratch.acc, max_rows * head_dim);
     grow(scratch.max, max_rows);
     grow(scratch.sum, max_rows);
-    grow(scratch.scores, heads * kRowsAtOnce * kKeyBlock);
+    grow(scratch.scores, heads * simd::kRowsAtOnce * simd::kKeyBlock);
     return scratch;
   }
 };
@@ -143,7 +145,7 @@ using RowElement = typename std::conditional<kCopies, float, T>::type;
 template <class Ops, class T>
 void side_to_float(KVFormat format, const char* src, float* dst, int64_t n) {
   switch (format) {
-    case KVFormat::fp8_e4m3: return Ops::to_float(reinterpret_cast<const E4m3Code*>(src), dst, n);
+    case KVFormat::fp8_e4m3: return Ops::to_float(reinterpret_cast<const simd::E4m3Code*>(src), dst, n);
     case KVFormat::int8: return Ops::to_float(reinterpret_cast<const int8_t*>(src), dst, n);
     default: return Ops::to_float(reinterpret_cast<const T*>(src), dst, n);
   }
@@ -205,7 +207,7 @@ void load_block(const Problem<T>& pr, const KVSide& side, int64_t b, int64_t h0,
       for (int64_t h = 0; h < nh; ++h) {
         const int64_t offset = g.offset(in_page + j, h0 + h);  // elements into the page
         const char* src = page + offset * side.elem_size;
-        const int64_t slot = h * kKeyBlock + j0 + j;
+        const int64_t slot = h * simd::kKeyBlock + j0 + j;
         if (side.quantized()) scales[slot] = side.scales[scale_index(page_id, in_page + j, h0 + h)] * unit;
         if constexpr (kCopies) {
           float* dst = buffer + slot * D;
@@ -253,7 +255,7 @@ void score_block(KVFormat format, const float* const* q, int rows,
     Ops::template scores<RowElement<kCopies, T>>(q, rows, keys, n, head_dim, out);
   } else {
     switch (format) {
-      case KVFormat::fp8_e4m3: return Ops::template scores<E4m3Code>(q, rows, keys, n, head_dim, out);
+      case KVFormat::fp8_e4m3: return Ops::template scores<simd::E4m3Code>(q, rows, keys, n, head_dim, out);
       case KVFormat::int8: return Ops::template scores<int8_t>(q, rows, keys, n, head_dim, out);
       default: return Ops::template scores<T>(q, rows, keys, n, head_dim, out);
     }
@@ -270,7 +272,7 @@ void accumulate_block(KVFormat format, float* const* acc, int rows,
     Ops::template accumulate<RowElement<kCopies, T>>(acc, rows, values, p, n, head_dim);
   } else {
     switch (format) {
-      case KVFormat::fp8_e4m3: return Ops::template accumulate<E4m3Code>(acc, rows, values, p, n, head_dim);
+      case KVFormat::fp8_e4m3: return Ops::template accumulate<simd::E4m3Code>(acc, rows, values, p, n, head_dim);
       case KVFormat::int8: return Ops::template accumulate<int8_t>(acc, rows, values, p, n, head_dim);
       default: return Ops::template accumulate<T>(acc, rows, values, p, n, head_dim);
     }
@@ -350,7 +352,7 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
   // Two sets of block rows: the block being computed and the next one,
   // located one block ahead so that its vectors can be prefetched (in place
   // only: a copying path's loads are its conversion pass).
-  const int64_t half = w.nh * kKeyBlock;
+  const int64_t half = w.nh * simd::kKeyBlock;
   BlockRows block{sc.k_rows.data(), sc.v_rows.data(), sc.k_scales.data(), sc.v_scales.data()};
   BlockRows next{block.k + half, block.v + half, block.k_scales + half, block.v_scales + half};
   const auto load = [&](const BlockRows& rows, int64_t t0, int64_t n) {
@@ -364,9 +366,9 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
   // otherwise a whole block at once.
   const bool prefetch_k = !kCopies && prefetches_side(pr.g, pr.k.elem_size);
   const bool prefetch_v = !kCopies && prefetches_side(pr.g, pr.v.elem_size);
-  const int64_t k_chunk = prefetch_k ? read_ahead_chunk(D, pr.k.elem_size) : kKeyBlock;
-  const int64_t v_chunk = prefetch_v ? read_ahead_chunk(D, pr.v.elem_size) : kKeyBlock;
-  if (!kCopies) load(block, w.t0, std::min(kKeyBlock, w.t1 - w.t0));
+  const int64_t k_chunk = prefetch_k ? read_ahead_chunk(D, pr.k.elem_size) : simd::kKeyBlock;
+  const int64_t v_chunk = prefetch_v ? read_ahead_chunk(D, pr.v.elem_size) : simd::kKeyBlock;
+  if (!kCopies) load(block, w.t0, std::min(simd::kKeyBlock, w.t1 - w.t0));
 
   // The order of a block's pieces (one head's chunk of tokens): where a
   // token's heads are adjacent (NHD), every head of a chunk before the next
@@ -376,28 +378,28 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
   const PieceOrder k_order{token_major, w.nh, k_chunk};
   const PieceOrder v_order{token_major, w.nh, v_chunk};
   float* const scores_all = sc.scores.data();  // [nh, kRowsAtOnce, kKeyBlock]
-  constexpr int64_t kHeadScores = kRowsAtOnce * kKeyBlock;
+  constexpr int64_t kHeadScores = simd::kRowsAtOnce * simd::kKeyBlock;
 
-  for (int64_t t0 = w.t0; t0 < w.t1; t0 += kKeyBlock) {
-    const int64_t n = std::min(kKeyBlock, w.t1 - t0);
-    const int64_t n_next = kCopies ? 0 : std::max<int64_t>(0, std::min(kKeyBlock, w.t1 - t0 - kKeyBlock));
+  for (int64_t t0 = w.t0; t0 < w.t1; t0 += simd::kKeyBlock) {
+    const int64_t n = std::min(simd::kKeyBlock, w.t1 - t0);
+    const int64_t n_next = kCopies ? 0 : std::max<int64_t>(0, std::min(simd::kKeyBlock, w.t1 - t0 - simd::kKeyBlock));
     if (kCopies) load(block, t0, n);
-    if (n_next > 0) load(next, t0 + kKeyBlock, n_next);
+    if (n_next > 0) load(next, t0 + simd::kKeyBlock, n_next);
     // The scales of the block loaded after this one (the next, or, reading
     // in place, the one after it).
-    const int64_t t_scales = t0 + (kCopies ? 1 : 2) * kKeyBlock;
-    prefetch_scales(pr, pr.k, w.b, w.h0, w.nh, t_scales, std::min(kKeyBlock, w.t1 - t_scales));
-    prefetch_scales(pr, pr.v, w.b, w.h0, w.nh, t_scales, std::min(kKeyBlock, w.t1 - t_scales));
+    const int64_t t_scales = t0 + (kCopies ? 1 : 2) * simd::kKeyBlock;
+    prefetch_scales(pr, pr.k, w.b, w.h0, w.nh, t_scales, std::min(simd::kKeyBlock, w.t1 - t_scales));
+    prefetch_scales(pr, pr.v, w.b, w.h0, w.nh, t_scales, std::min(simd::kKeyBlock, w.t1 - t_scales));
     for (int64_t s = w.s0; s < w.s1; ++s) {
       // Causal: query s (at position first_pos + s) sees keys <= its position.
       const int64_t visible = std::min(n, first_pos + s + 1 - t0);
       if (visible <= 0) continue;
       // The G query heads of each kv head, up to kRowsAtOnce at a time: each
       // key and value vector is loaded once for all of them.
-      for (int64_t i0 = 0; i0 < G; i0 += kRowsAtOnce) {
+      for (int64_t i0 = 0; i0 < G; i0 += simd::kRowsAtOnce) {
         // Later queries and query heads of a tile reuse the block from the cache.
         const bool first_pass = s == w.s0 && i0 == 0;
-        const int group_rows = static_cast<int>(std::min<int64_t>(kRowsAtOnce, G - i0));
+        const int group_rows = static_cast<int>(std::min<int64_t>(simd::kRowsAtOnce, G - i0));
         // Row r0(h) + i is query head (h0 + h) * G + i0 + i of query s.
         const auto r0 = [&](int64_t h) { return ((s - w.s0) * w.nh + h) * G + i0; };
         const auto q_row = [&](int64_t h, int i) {
@@ -405,9 +407,9 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
         };
 
         k_order.for_each(visible, [&](int64_t h, int64_t j0, int64_t c) {
-          const float* q[kRowsAtOnce];
+          const float* q[simd::kRowsAtOnce];
           for (int i = 0; i < group_rows; ++i) q[i] = q_row(h, i);
-          const void* const* keys = block.k + h * kKeyBlock;
+          const void* const* keys = block.k + h * simd::kKeyBlock;
           if (prefetch_k && first_pass) {
             prefetch_piece_after(k_order, block.k, n, next.k, n_next, h, j0, k_bytes);
           }
@@ -415,10 +417,10 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
                                        scores_all + h * kHeadScores + j0);
         });
         for (int64_t h = 0; h < w.nh; ++h) {
-          const float* k_scales = pr.k.quantized() ? block.k_scales + h * kKeyBlock : nullptr;
-          const float* v_scales = pr.v.quantized() ? block.v_scales + h * kKeyBlock : nullptr;
+          const float* k_scales = pr.k.quantized() ? block.k_scales + h * simd::kKeyBlock : nullptr;
+          const float* v_scales = pr.v.quantized() ? block.v_scales + h * simd::kKeyBlock : nullptr;
           for (int i = 0; i < group_rows; ++i) {
-            float* scores = scores_all + h * kHeadScores + i * kKeyBlock;
+            float* scores = scores_all + h * kHeadScores + i * simd::kKeyBlock;
             if (k_scales != nullptr) multiply_by(scores, k_scales, visible);
             const int64_t r = r0(h) + i;
             float* acc = acc_all + r * D;
@@ -434,9 +436,9 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
           }
         }
         v_order.for_each(visible, [&](int64_t h, int64_t j0, int64_t c) {
-          float* acc[kRowsAtOnce];
+          float* acc[simd::kRowsAtOnce];
           for (int i = 0; i < group_rows; ++i) acc[i] = acc_all + (r0(h) + i) * D;
-          const void* const* values = block.v + h * kKeyBlock;
+          const void* const* values = block.v + h * simd::kKeyBlock;
           if (prefetch_v && first_pass) {
             prefetch_piece_after(v_order, block.v, n, next.v, n_next, h, j0, v_bytes);
           }
@@ -486,28 +488,28 @@ void run_items(const Problem<T>& pr, const Plan& p, int64_t begin, int64_t end) 
 template <class T>
 PAGEDKV_TARGET_AVX2 __attribute__((flatten)) void run_items_avx2(const Problem<T>& pr, const Plan& p,
                                                                    int64_t begin, int64_t end) {
-  run_items<Avx2>(pr, p, begin, end);
+  run_items<simd::Avx2>(pr, p, begin, end);
 }
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX512
 template <class T>
 PAGEDKV_TARGET_AVX512 __attribute__((flatten)) void run_items_avx512(const Problem<T>& pr, const Plan& p,
                                                                        int64_t begin, int64_t end) {
-  run_items<Avx512>(pr, p, begin, end);
+  run_items<simd::Avx512>(pr, p, begin, end);
 }
 #endif
 
 /// Runs work items [begin, end) with the instruction set `isa`.
 template <class T>
-void run_items_with(Isa isa, const Problem<T>& pr, const Plan& p, int64_t begin, int64_t end) {
+void run_items_with(simd::Isa isa, const Problem<T>& pr, const Plan& p, int64_t begin, int64_t end) {
   switch (isa) {
 #ifdef PAGEDKV_ATTENTION_AVX512
-    case Isa::avx512: return run_items_avx512(pr, p, begin, end);
+    case simd::Isa::avx512: return run_items_avx512(pr, p, begin, end);
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX2
-    case Isa::avx2: return run_items_avx2(pr, p, begin, end);
+    case simd::Isa::avx2: return run_items_avx2(pr, p, begin, end);
 #endif
-    default: return run_items<Portable>(pr, p, begin, end);
+    default: return run_items<simd::Portable>(pr, p, begin, end);
   }
 }
 
@@ -558,8 +560,8 @@ void paged_attention_cpu_impl(const AnyPageTableRef& table,         // [B, max_p
   const int64_t group = n_heads / g.n_heads;
   const Plan p = plan(lengths, n_queries, group, g.n_heads, at::get_num_threads());
   std::vector<float> partials(static_cast<size_t>(p.partial_rows * (g.head_dim + 2)));
-  const Isa isa = selected_isa();  // decided on the calling thread (ScopedIsa is per thread), as is
-  const bool wide_decode_step = isa == Isa::avx512 && takes_wide_decode_step();  // (ScopedDecodeStep)
+  const simd::Isa isa = simd::selected_isa();  // decided on the calling thread (ScopedIsa is per thread), as is
+  const bool wide_decode_step = isa == simd::Isa::avx512 && takes_wide_decode_step();  // (ScopedDecodeStep)
   const Problem<T> pr{table, lengths.data(), q, q_given, scale, out, k, v, partials.data(), g, n_queries, n_heads, group,
                       wide_decode_step};
   at::parallel_for(0, static_cast<int64_t>(p.work.size()), 1, [&](int64_t begin, int64_t end) {
@@ -574,7 +576,7 @@ void paged_attention_cpu_impl(const AnyPageTableRef& table,         // [B, max_p
 
 /// The CPU kernel on validated inputs: q ([B, Sq, n_heads, D], float32,
 /// float16 or bfloat16, any strides) scaled by `scale`, the output a new
-/// contiguous tensor of q's dtype. Both paged_attention (on a view) and the
+/// contiguous tensor of q's dtype (options.scale resolved). Both paged_attention (on a view) and the
 /// Python package's stateless op end here: one dtype switch over the three
 /// instances of paged_attention_cpu_impl, which take the table as an
 /// AnyPageTableRef so that they are compiled once per dtype, not per index
@@ -583,8 +585,9 @@ template <class Table>
 at::Tensor paged_attention_cpu(const Table& typed_table,              // [B, max_pages]
                                const std::vector<int64_t>& lengths,  // [B]
                                const at::Tensor& q, const KVSide& k, const KVSide& v, const PageGeometry& g,
-                               double scale) {
+                               const AttentionOptions& options) {
   const AnyPageTableRef table(typed_table);
+  const double scale = options.scale;
   const at::Tensor qf = q.to(at::kFloat).mul(scale).contiguous();  // [B, Sq, n_heads, D]
   const at::Tensor q_given = q.contiguous();                         // [B, Sq, n_heads, D]
   const auto scale_f = static_cast<float>(scale);
@@ -608,5 +611,6 @@ at::Tensor paged_attention_cpu(const Table& typed_table,              // [B, max
   return out;
 }
 
-}  // namespace attention_kernels
+}  // namespace attention
+}  // namespace cpu
 }  // namespace pagedkv

@@ -10,7 +10,8 @@
 #include "pagedkv/simd/constants.hpp"
 
 namespace pagedkv {
-namespace attention_kernels {
+namespace cpu {
+namespace attention {
 
 /// Queries [s0, s1) of sequence b, kv heads [h0, h0 + nh) (and their query
 /// heads), against keys [t0, t1).
@@ -48,11 +49,11 @@ inline Plan plan(const std::vector<int64_t>& lengths,  // [B], each >= n_queries
                  int64_t n_queries, int64_t group, int64_t n_kv_heads, int64_t n_threads) {
   Plan p;
   int64_t tile = n_queries;
-  if (n_queries * group * n_kv_heads <= kRowsPerTile) {
+  if (n_queries * group * n_kv_heads <= simd::kRowsPerTile) {
     p.heads = n_kv_heads;
   } else {
     p.heads = 1;
-    tile = std::min(n_queries, std::max<int64_t>(1, kRowsPerTile / group));
+    tile = std::min(n_queries, std::max<int64_t>(1, simd::kRowsPerTile / group));
   }
   p.max_rows = tile * group * p.heads;
   // Keys read x kv heads, over every tile: the total work.
@@ -61,8 +62,8 @@ inline Plan plan(const std::vector<int64_t>& lengths,  // [B], each >= n_queries
     for (int64_t s0 = 0; s0 < n_queries; s0 += tile) total += length - n_queries + std::min(s0 + tile, n_queries);
   total *= n_kv_heads;
   const int64_t target_items = n_threads <= 1 ? 1 : 4 * n_threads;
-  int64_t chunk = std::max(kMinSplitTokens, (total + target_items - 1) / target_items / p.heads);
-  chunk = (chunk + kKeyBlock - 1) / kKeyBlock * kKeyBlock;
+  int64_t chunk = std::max(simd::kMinSplitTokens, (total + target_items - 1) / target_items / p.heads);
+  chunk = (chunk + simd::kKeyBlock - 1) / simd::kKeyBlock * simd::kKeyBlock;
 
   for (int64_t b = 0; b < static_cast<int64_t>(lengths.size()); ++b) {
     const int64_t first_pos = lengths[static_cast<size_t>(b)] - n_queries;  // position of query 0
@@ -87,5 +88,6 @@ inline Plan plan(const std::vector<int64_t>& lengths,  // [B], each >= n_queries
   return p;
 }
 
-}  // namespace attention_kernels
+}  // namespace attention
+}  // namespace cpu
 }  // namespace pagedkv

@@ -15,7 +15,8 @@
 #include "pagedkv/simd/constants.hpp"
 
 namespace pagedkv {
-namespace attention_kernels {
+namespace cpu {
+namespace attention {
 
 /// Asks for the 64-byte line at `address` to be brought into the caches
 /// (L2 and nearer). An asm statement where there is one: g++ counts
@@ -166,7 +167,7 @@ inline void prefetch_piece_after(const PieceOrder& order,
                                  const void* const* next_rows,  // [heads, kKeyBlock]: the next block's
                                  int64_t n_next, int64_t h, int64_t j0, int64_t bytes) noexcept {
   if (order.next_in_block(n, h, j0)) {
-    prefetch_rows(rows + h * kKeyBlock + j0, std::min(order.chunk, n - j0), bytes);
+    prefetch_rows(rows + h * simd::kKeyBlock + j0, std::min(order.chunk, n - j0), bytes);
   } else {
     prefetch_rows(next_rows, std::min(order.chunk, n_next), bytes);
   }
@@ -211,5 +212,6 @@ inline int64_t read_ahead_chunk(int64_t head_dim, int64_t elem_size) noexcept {
   return tokens >= 8 ? 8 : 4;
 }
 
-}  // namespace attention_kernels
+}  // namespace attention
+}  // namespace cpu
 }  // namespace pagedkv

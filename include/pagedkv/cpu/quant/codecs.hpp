@@ -24,14 +24,15 @@
 #include "pagedkv/simd/isa.hpp"
 
 namespace pagedkv {
+namespace cpu {
 namespace quant {
 
-using attention_kernels::Isa;
+using simd::Isa;
 
 /// out[i] = encode(x[i] / scale) on instruction set `isa` (the caller's
 /// selected_isa()); scale 0 (an all-zero vector) gives all-zero codes.
 template <KVFormat F>
-inline void encode_row(Isa isa, const float* x,  // [n]
+inline void encode_row(simd::Isa isa, const float* x,  // [n]
                        int64_t n, float scale, typename Codec<F>::Code* out) {  // out: [n]
   if (!(scale > 0.0f)) {
     std::fill(out, out + n, typename Codec<F>::Code{0});
@@ -39,10 +40,10 @@ inline void encode_row(Isa isa, const float* x,  // [n]
   }
   switch (isa) {
 #ifdef PAGEDKV_ATTENTION_AVX512
-    case Isa::avx512: return encode_avx512<F>(x, n, scale, out);
+    case simd::Isa::avx512: return encode_avx512<F>(x, n, scale, out);
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX2
-    case Isa::avx2: return encode_avx2<F>(x, n, scale, out);
+    case simd::Isa::avx2: return encode_avx2<F>(x, n, scale, out);
 #endif
     default: return encode_loop<F>(x, n, scale, out);
   }
@@ -50,14 +51,14 @@ inline void encode_row(Isa isa, const float* x,  // [n]
 
 /// out[i] = decode(codes[i]) * scale on instruction set `isa`.
 template <KVFormat F>
-inline void decode_row(Isa isa, const typename Codec<F>::Code* codes,  // [n]
+inline void decode_row(simd::Isa isa, const typename Codec<F>::Code* codes,  // [n]
                        int64_t n, float scale, float* out) {            // out: [n]
   switch (isa) {
 #ifdef PAGEDKV_ATTENTION_AVX512
-    case Isa::avx512: return dequantize_avx512<F>(codes, n, scale, out);
+    case simd::Isa::avx512: return dequantize_avx512<F>(codes, n, scale, out);
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX2
-    case Isa::avx2: return dequantize_avx2<F>(codes, n, scale, out);
+    case simd::Isa::avx2: return dequantize_avx2<F>(codes, n, scale, out);
 #endif
     default: return decode_loop<F>(codes, n, scale, out);
   }
@@ -69,7 +70,7 @@ inline void decode_row(Isa isa, const typename Codec<F>::Code* codes,  // [n]
 /// widen as they load, twice (amax, then the codes), which is cheaper than
 /// staging floats.
 template <KVFormat F, class T>
-inline void quantize_rows(Isa isa, const T* x,  // count x [n]
+inline void quantize_rows(simd::Isa isa, const T* x,  // count x [n]
                           int64_t x_stride, int64_t count, int64_t n,
                           typename Codec<F>::Code* out,  // count x [n]
                           int64_t out_stride,
@@ -77,10 +78,10 @@ inline void quantize_rows(Isa isa, const T* x,  // count x [n]
                           int64_t scale_stride) {
   switch (isa) {
 #ifdef PAGEDKV_ATTENTION_AVX512
-    case Isa::avx512: return quantize_rows_avx512<F>(x, x_stride, count, n, out, out_stride, scales, scale_stride);
+    case simd::Isa::avx512: return quantize_rows_avx512<F>(x, x_stride, count, n, out, out_stride, scales, scale_stride);
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX2
-    case Isa::avx2: return quantize_rows_avx2<F>(x, x_stride, count, n, out, out_stride, scales, scale_stride);
+    case simd::Isa::avx2: return quantize_rows_avx2<F>(x, x_stride, count, n, out, out_stride, scales, scale_stride);
 #endif
     default:
       for (int64_t r = 0; r < count; ++r)
@@ -90,7 +91,7 @@ inline void quantize_rows(Isa isa, const T* x,  // count x [n]
 
 /// Quantizes one head vector (contiguous): its amax, scale and codes. Returns the scale.
 template <KVFormat F, class T>
-inline float quantize_vector(Isa isa, const T* x,  // [n]
+inline float quantize_vector(simd::Isa isa, const T* x,  // [n]
                              int64_t n, typename Codec<F>::Code* out) {  // out: [n]
   float scale = 0.0f;
   quantize_rows<F>(isa, x, n, 1, n, out, n, &scale, 1);
@@ -99,13 +100,13 @@ inline float quantize_vector(Isa isa, const T* x,  // [n]
 
 /// out[i] = float(src[i]) (exact) on instruction set `isa`, contiguous src.
 template <class T>
-inline void widen_row(Isa isa, const T* src, int64_t n, float* out) {  // src, out: [n]
+inline void widen_row(simd::Isa isa, const T* src, int64_t n, float* out) {  // src, out: [n]
   switch (isa) {
 #ifdef PAGEDKV_ATTENTION_AVX512
-    case Isa::avx512: return widen_avx512(src, n, out);
+    case simd::Isa::avx512: return widen_avx512(src, n, out);
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX2
-    case Isa::avx2: return widen_avx2(src, n, out);
+    case simd::Isa::avx2: return widen_avx2(src, n, out);
 #endif
     default: return widen_loop(src, n, out);
   }
@@ -113,13 +114,13 @@ inline void widen_row(Isa isa, const T* src, int64_t n, float* out) {  // src, o
 
 /// out[i] = T(x[i]) (round to nearest even, as c10's conversions) on `isa`.
 template <class T>
-inline void narrow_row(Isa isa, const float* x, int64_t n, T* out) {  // x, out: [n]
+inline void narrow_row(simd::Isa isa, const float* x, int64_t n, T* out) {  // x, out: [n]
   switch (isa) {
 #ifdef PAGEDKV_ATTENTION_AVX512
-    case Isa::avx512: return narrow_avx512(x, n, out);
+    case simd::Isa::avx512: return narrow_avx512(x, n, out);
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX2
-    case Isa::avx2: return narrow_avx2(x, n, out);
+    case simd::Isa::avx2: return narrow_avx2(x, n, out);
 #endif
     default: return narrow_loop(x, n, out);
   }
@@ -137,21 +138,21 @@ inline bool streams_row(const T* out, int64_t n) noexcept {
 /// for bit; the vector paths do it in one pass, the portable one through
 /// `buf`. `stream`: the vector paths write a row of whole 64-byte lines
 /// (streams_row) with streaming stores, which the caller orders with a
-/// fence (kernels::streaming_fence) before the output is read.
+/// fence (cpu::streaming_fence) before the output is read.
 template <KVFormat F, class T>
-inline void dequantize_row(Isa isa, const typename Codec<F>::Code* codes,  // [n]
+inline void dequantize_row(simd::Isa isa, const typename Codec<F>::Code* codes,  // [n]
                            int64_t n, float scale,
                            T* out,      // [n]
                            float* buf,  // [n]
                            bool stream = false) {
   const bool streamed = stream && streams_row(out, n);
 #ifdef PAGEDKV_ATTENTION_AVX512
-  if (isa == Isa::avx512) {
+  if (isa == simd::Isa::avx512) {
     return streamed ? dequantize_avx512<F, T, true>(codes, n, scale, out) : dequantize_avx512<F>(codes, n, scale, out);
   }
 #endif
 #ifdef PAGEDKV_ATTENTION_AVX2
-  if (isa == Isa::avx2) {
+  if (isa == simd::Isa::avx2) {
     return streamed ? dequantize_avx2<F, T, true>(codes, n, scale, out) : dequantize_avx2<F>(codes, n, scale, out);
   }
 #else
@@ -163,7 +164,7 @@ inline void dequantize_row(Isa isa, const typename Codec<F>::Code* codes,  // [n
 
 /// Elements of T to float32 (exact for the dtypes a cache holds), any element stride.
 template <class T>
-inline void to_float(Isa isa, const char* src, int64_t elem_stride_bytes, int64_t n, float* out) {  // out: [n]
+inline void to_float(simd::Isa isa, const char* src, int64_t elem_stride_bytes, int64_t n, float* out) {  // out: [n]
   if (elem_stride_bytes == static_cast<int64_t>(sizeof(T))) {
     widen_row(isa, reinterpret_cast<const T*>(src), n, out);
     return;
@@ -176,4 +177,5 @@ inline void to_float(Isa isa, const char* src, int64_t elem_stride_bytes, int64_
 }
 
 }  // namespace quant
+}  // namespace cpu
 }  // namespace pagedkv

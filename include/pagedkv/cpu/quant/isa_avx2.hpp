@@ -16,6 +16,7 @@
 #ifdef PAGEDKV_ATTENTION_AVX2
 
 namespace pagedkv {
+namespace cpu {
 namespace quant {
 
 // AVX2 + FMA + F16C: the scalar functions' arithmetic spelled in
@@ -150,7 +151,7 @@ PAGEDKV_TARGET_AVX2 inline __m128i without_nan_codes(__m128i codes) {
 
 /// What the NaN codes 0x7F / 0xFF read as through fp16 (Avx2::load8,
 /// Avx512::load16): +-480 / 2^8.
-constexpr float kE4m3NanViaHalf = 480.0f / attention_kernels::kE4m3ViaHalfFactor;
+constexpr float kE4m3NanViaHalf = 480.0f / simd::kE4m3ViaHalfFactor;
 
 /// Whether the vector dequantizers' scale (fp8: scale * 2^8, see
 /// decode_e4m3_times_x8) is exact: it is unless scale * 2^8 overflows, for
@@ -166,7 +167,7 @@ inline bool vector_scale_is_exact(float scale, float vector_scale) noexcept {
 /// (Avx2::load8), so the product is the same real number, rounded once.
 /// The NaN codes 0x7F / 0xFF, which read as +-480 / 2^8 that way, give NaN.
 PAGEDKV_TARGET_AVX2 inline __m256 decode_e4m3_times_x8(const uint8_t* codes, __m256 scale_via_half) {
-  const __m256 scaled = attention_kernels::Avx2::load8(reinterpret_cast<const attention_kernels::E4m3Code*>(codes));
+  const __m256 scaled = simd::Avx2::load8(reinterpret_cast<const simd::E4m3Code*>(codes));
   const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), scaled);
   const __m256 is_nan = _mm256_cmp_ps(magnitude, _mm256_set1_ps(kE4m3NanViaHalf), _CMP_EQ_OQ);
   return _mm256_blendv_ps(_mm256_mul_ps(scaled, scale_via_half),
@@ -178,7 +179,7 @@ PAGEDKV_TARGET_AVX2 inline __m256 decode_e4m3_times_x8(const uint8_t* codes, __m
 /// encode_e4m3_magnitude_x8's.
 template <KVFormat F, class T, bool kMagnitudes = false, bool kFiniteRow = false>
 PAGEDKV_TARGET_AVX2 inline __m256i encode_lanes_x8(const T* x, __m256 divisor) {
-  const __m256 y = _mm256_div_ps(attention_kernels::Avx2::load8(x), divisor);
+  const __m256 y = _mm256_div_ps(simd::Avx2::load8(x), divisor);
   if constexpr (F == KVFormat::int8) return encode_int8_x8(y);
   return kMagnitudes ? encode_e4m3_magnitude_x8<kFiniteRow>(y) : encode_e4m3_x8<kFiniteRow>(y);
 }
@@ -219,7 +220,7 @@ inline bool int8_quotient_by_reciprocal_is_exact(float scale) noexcept {
 ///   encode_int8_x8.
 template <class T>
 PAGEDKV_TARGET_AVX2 inline __m256i int8_lanes_of_row_x8(const T* x, __m256 scale, __m256 reciprocal) {  // x: [8]
-  const __m256 v = attention_kernels::Avx2::load8(x);
+  const __m256 v = simd::Avx2::load8(x);
   const __m256 y0 = _mm256_mul_ps(v, reciprocal);
   return _mm256_cvtps_epi32(_mm256_fmadd_ps(_mm256_fnmadd_ps(y0, scale, v), reciprocal, y0));
 }
@@ -244,7 +245,7 @@ PAGEDKV_TARGET_AVX2 void encode_int8_of_row_avx2(const T* x,  // [n]
     const __m128i codes = narrow_epi32_epi8_x8<true>(int8_lanes_of_row_x8(x + i, s, r));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), without_nan_codes<KVFormat::int8>(codes));
   }
-  for (; i < n; ++i) out[i] = encode_int8(attention_kernels::to_float32(x[i]) / scale);
+  for (; i < n; ++i) out[i] = encode_int8(simd::to_float32(x[i]) / scale);
 }
 
 /// Codes of x / scale, scale > 0; x float32, fp16 or bf16, widened as it
@@ -274,7 +275,7 @@ PAGEDKV_TARGET_AVX2 void encode_avx2(const T* x,  // [n]
     const __m128i codes = narrow_epi32_epi8_x8<F == KVFormat::int8>(encode_lanes_x8<F, T, false, kFiniteRow>(x + i, s));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), without_nan_codes<F>(codes));
   }
-  for (; i < n; ++i) out[i] = Codec<F>::encode(attention_kernels::to_float32(x[i]) / scale);
+  for (; i < n; ++i) out[i] = Codec<F>::encode(simd::to_float32(x[i]) / scale);
 }
 
 /// Codes of a row with its own scale (quantize_rows_grouped's EncodeRow):
@@ -300,7 +301,7 @@ PAGEDKV_TARGET_AVX2 float amax_widened_avx2(const T* x, int64_t n) {  // x: [n]
   const int64_t full = n - n % 8;
   for (int64_t i = 0; i < full; i += 8) {
     const __m256 a = _mm256_castsi256_ps(_mm256_and_si256(
-        _mm256_castps_si256(attention_kernels::Avx2::load8(x + i)), _mm256_set1_epi32(0x7FFFFFFF)));
+        _mm256_castps_si256(simd::Avx2::load8(x + i)), _mm256_set1_epi32(0x7FFFFFFF)));
     m = _mm256_max_ps(a, m);  // the second operand for a NaN: ignored, as in amax_loop
   }
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
@@ -308,7 +309,7 @@ PAGEDKV_TARGET_AVX2 float amax_widened_avx2(const T* x, int64_t n) {  // x: [n]
   m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
   float amax = _mm_cvtss_f32(m4);
   for (int64_t i = full; i < n; ++i) {
-    const float a = std::fabs(attention_kernels::to_float32(x[i]));
+    const float a = std::fabs(simd::to_float32(x[i]));
     amax = a > amax ? a : amax;
   }
   return amax;
@@ -322,7 +323,7 @@ constexpr uint16_t kInfinityBits16 = std::is_same<T, c10::Half>::value ? 0x7C00 
 /// The float32 value of the bits of a 16-bit float T (fp16 or bf16).
 template <class T>
 inline float widen_bits16(uint16_t bits) noexcept {
-  return attention_kernels::to_float32(T(bits, T::from_bits()));
+  return simd::to_float32(T(bits, T::from_bits()));
 }
 
 /// The magnitude bits (x & 0x7FFF) of 16 fp16 or bf16 values.
@@ -415,7 +416,7 @@ PAGEDKV_TARGET_AVX2 inline void stream8(c10::BFloat16* out, __m256 v) {
 /// kStream: streaming stores, for an `out` of whole 64-byte lines (streams_row).
 template <KVFormat F, class T, bool kStream = false>
 PAGEDKV_TARGET_AVX2 void dequantize_avx2(const typename Codec<F>::Code* codes, int64_t n, float scale, T* out) {
-  const float vector_scale = F == KVFormat::fp8_e4m3 ? scale * attention_kernels::kE4m3ViaHalfFactor : scale;
+  const float vector_scale = F == KVFormat::fp8_e4m3 ? scale * simd::kE4m3ViaHalfFactor : scale;
   const int64_t full = vector_scale_is_exact(scale, vector_scale) ? n - n % 8 : 0;
   const __m256 s = _mm256_set1_ps(vector_scale);
   for (int64_t i = 0; i < full; i += 8) {
@@ -460,6 +461,7 @@ PAGEDKV_TARGET_AVX2 inline void narrow_avx2(const float* x, int64_t n, c10::Half
 }
 
 }  // namespace quant
+}  // namespace cpu
 }  // namespace pagedkv
 
 #endif  // PAGEDKV_ATTENTION_AVX2

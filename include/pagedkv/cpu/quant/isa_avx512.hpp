@@ -17,6 +17,7 @@
 #ifdef PAGEDKV_ATTENTION_AVX512
 
 namespace pagedkv {
+namespace cpu {
 namespace quant {
 
 // AVX-512: the scalar functions' arithmetic spelled in intrinsics, 16
@@ -87,7 +88,7 @@ PAGEDKV_TARGET_AVX512 inline __m128i encode_int8_x16(__m512 y) {
 
 /// decode_e4m3_times_x8 on 16 codes.
 PAGEDKV_TARGET_AVX512 inline __m512 decode_e4m3_times_x16(const uint8_t* codes, __m512 scale_via_half) {
-  const __m512 scaled = attention_kernels::Avx512::load16(reinterpret_cast<const attention_kernels::E4m3Code*>(codes));
+  const __m512 scaled = simd::Avx512::load16(reinterpret_cast<const simd::E4m3Code*>(codes));
   const __mmask16 is_nan = _mm512_cmp_ps_mask(_mm512_abs_ps(scaled), _mm512_set1_ps(kE4m3NanViaHalf), _CMP_EQ_OQ);
   return _mm512_mask_mul_ps(_mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()), static_cast<__mmask16>(~is_nan),
                             scaled, scale_via_half);
@@ -104,13 +105,13 @@ PAGEDKV_TARGET_AVX512 void encode_int8_of_row_avx512(const T* x, int64_t n, floa
   const __m512 r = _mm512_set1_ps(1.0f / scale);
   const int64_t full = n - n % 16;
   for (int64_t i = 0; i < full; i += 16) {
-    const __m512 v = attention_kernels::Avx512::load16(x + i);
+    const __m512 v = simd::Avx512::load16(x + i);
     const __m512 y0 = _mm512_mul_ps(v, r);
     const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(y0, s, v), r, y0);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
                      _mm512_cvtepi32_epi8(_mm512_cvt_roundps_epi32(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
   }
-  for (int64_t i = full; i < n; ++i) out[i] = encode_int8(attention_kernels::to_float32(x[i]) / scale);
+  for (int64_t i = full; i < n; ++i) out[i] = encode_int8(simd::to_float32(x[i]) / scale);
 }
 
 /// Codes of x / scale, scale > 0; x float32, fp16 or bf16, widened as it is loaded.
@@ -122,11 +123,11 @@ PAGEDKV_TARGET_AVX512 void encode_avx512(const T* x, int64_t n, float scale, typ
   const __m512 s = _mm512_set1_ps(kFp8 ? scale / kE4m3EncodeFactor : scale);
   const int64_t full = !kFp8 || e4m3_divisor_is_exact(scale) ? n - n % 16 : 0;
   for (int64_t i = 0; i < full; i += 16) {
-    const __m512 y = _mm512_div_ps(attention_kernels::Avx512::load16(x + i), s);
+    const __m512 y = _mm512_div_ps(simd::Avx512::load16(x + i), s);
     const __m128i codes = F == KVFormat::int8 ? encode_int8_x16(y) : encode_e4m3_x16<kFiniteRow>(y);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), codes);
   }
-  for (int64_t i = full; i < n; ++i) out[i] = Codec<F>::encode(attention_kernels::to_float32(x[i]) / scale);
+  for (int64_t i = full; i < n; ++i) out[i] = Codec<F>::encode(simd::to_float32(x[i]) / scale);
 }
 
 /// encode_row_avx2 on AVX-512.
@@ -152,20 +153,20 @@ PAGEDKV_TARGET_AVX512 float amax_widened_avx512(const T* x, int64_t n) {  // x: 
   for (; i + 32 <= n; i += 32) {
     // max returns its second operand for a NaN: ignored, as in amax_loop.
     m0 = _mm512_max_ps(
-        _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(attention_kernels::Avx512::load16(x + i)), abs_mask)),
+        _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(simd::Avx512::load16(x + i)), abs_mask)),
         m0);
     m1 = _mm512_max_ps(_mm512_castsi512_ps(_mm512_and_si512(
-                           _mm512_castps_si512(attention_kernels::Avx512::load16(x + i + 16)), abs_mask)),
+                           _mm512_castps_si512(simd::Avx512::load16(x + i + 16)), abs_mask)),
                        m1);
   }
   for (; i + 16 <= n; i += 16) {
     m0 = _mm512_max_ps(
-        _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(attention_kernels::Avx512::load16(x + i)), abs_mask)),
+        _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(simd::Avx512::load16(x + i)), abs_mask)),
         m0);
   }
   float amax = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));  // max is exact in any order
   for (; i < n; ++i) {
-    const float a = std::fabs(attention_kernels::to_float32(x[i]));
+    const float a = std::fabs(simd::to_float32(x[i]));
     amax = a > amax ? a : amax;
   }
   return amax;
@@ -226,7 +227,7 @@ PAGEDKV_TARGET_AVX512 inline void stream16(c10::BFloat16* out, __m512 v) {
 /// kStream: streaming stores, for an `out` of whole 64-byte lines (streams_row).
 template <KVFormat F, class T, bool kStream = false>
 PAGEDKV_TARGET_AVX512 void dequantize_avx512(const typename Codec<F>::Code* codes, int64_t n, float scale, T* out) {
-  const float vector_scale = F == KVFormat::fp8_e4m3 ? scale * attention_kernels::kE4m3ViaHalfFactor : scale;
+  const float vector_scale = F == KVFormat::fp8_e4m3 ? scale * simd::kE4m3ViaHalfFactor : scale;
   const int64_t full = vector_scale_is_exact(scale, vector_scale) ? n - n % 16 : 0;
   const __m512 s = _mm512_set1_ps(vector_scale);
   for (int64_t i = 0; i < full; i += 16) {
@@ -284,6 +285,7 @@ PAGEDKV_TARGET_AVX512 inline void narrow_avx512(const float* x, int64_t n, c10::
 #endif
 
 }  // namespace quant
+}  // namespace cpu
 }  // namespace pagedkv
 
 #endif  // PAGEDKV_ATTENTION_AVX512

@@ -24,6 +24,7 @@
 #include "pagedkv/simd/convert.hpp"
 
 namespace pagedkv {
+namespace cpu {
 namespace quant {
 
 /// Largest finite fp8 e4m3 magnitude; a head vector's amax maps onto it.
@@ -133,7 +134,7 @@ template <KVFormat F, class T>
 inline void encode_loop(const T* x,  // [n]
                         int64_t n, float scale,
                         typename Codec<F>::Code* out) noexcept {  // [n]
-  for (int64_t i = 0; i < n; ++i) out[i] = Codec<F>::encode(attention_kernels::to_float32(x[i]) / scale);
+  for (int64_t i = 0; i < n; ++i) out[i] = Codec<F>::encode(simd::to_float32(x[i]) / scale);
 }
 
 /// out[i] = decode(codes[i]) * scale.
@@ -153,12 +154,12 @@ inline float amax_loop(const T* x, int64_t n) noexcept {  // x: [n]
   const int64_t full = n - n % 16;
   for (int64_t i = 0; i < full; i += 16) {
     for (int l = 0; l < 16; ++l) {
-      const float a = std::fabs(attention_kernels::to_float32(x[i + l]));
+      const float a = std::fabs(simd::to_float32(x[i + l]));
       m[l] = a > m[l] ? a : m[l];
     }
   }
   for (int64_t i = full; i < n; ++i) {
-    const float a = std::fabs(attention_kernels::to_float32(x[i]));
+    const float a = std::fabs(simd::to_float32(x[i]));
     m[0] = a > m[0] ? a : m[0];
   }
   for (int l = 0; l < 8; ++l) m[l] = m[l + 8] > m[l] ? m[l + 8] : m[l];
@@ -231,7 +232,7 @@ inline void quantize_rows_grouped(const T* x, int64_t x_stride, int64_t count, i
 
 // ---- the logical dtype's rounding, shared by every path ----
 
-inline float bf16_to_float(c10::BFloat16 b) noexcept { return attention_kernels::bfloat16_to_float(b.x); }
+inline float bf16_to_float(c10::BFloat16 b) noexcept { return simd::bfloat16_to_float(b.x); }
 
 /// c10::BFloat16(float)'s rounding (round to nearest even; NaN -> 0x7FC0), branch-free.
 inline c10::BFloat16 float_to_bf16(float f) noexcept {
@@ -275,4 +276,5 @@ inline void narrow_loop(const float* x, int64_t n, c10::BFloat16* out) noexcept 
 }
 
 }  // namespace quant
+}  // namespace cpu
 }  // namespace pagedkv

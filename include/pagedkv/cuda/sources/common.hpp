@@ -300,6 +300,45 @@ PKV_DEVICE float group_sum(float v, int lanes) {
   return v;
 }
 
+/// The items a block's thread groups take: groups of `lanes` threads (a
+/// power of two <= 32, so a group never spans two warps), item
+/// `first + group` then every `stride` items.
+struct ItemGroups {
+  pkv_i64 lanes;
+  pkv_i64 lane;
+  pkv_i64 group;
+  pkv_i64 first;
+  pkv_i64 stride;
+};
+PKV_DEVICE ItemGroups item_groups(pkv_i64 lanes) {
+  ItemGroups g;
+  const pkv_i64 per_block = static_cast<pkv_i64>(pkv_ntid()) / lanes;
+  g.lanes = lanes;
+  g.lane = static_cast<pkv_i64>(pkv_tid()) % lanes;
+  g.group = static_cast<pkv_i64>(pkv_tid()) / lanes;
+  g.first = static_cast<pkv_i64>(pkv_bid_x()) * per_block;
+  g.stride = static_cast<pkv_i64>(pkv_nbid_x()) * per_block;
+  return g;
+}
+
+/// Lane `lane` of `lanes` copies its share of `heads` rows of `row_bytes`
+/// (`vec` as in copy_row): one run when both sides hold the rows back to
+/// back (a token of NHD pages and of a contiguous tensor), else the lanes
+/// split over the rows, as many on each as it has moves (up to `lanes`).
+PKV_DEVICE void copy_heads(unsigned char* dst, pkv_i64 dst_head, const unsigned char* src, pkv_i64 src_head,
+                           pkv_i64 heads, pkv_i64 row_bytes, pkv_i64 vec, pkv_i64 lane, pkv_i64 lanes) {
+  if (dst_head == row_bytes && src_head == row_bytes) {
+    copy_row(dst, src, heads * row_bytes, vec, lane, lanes);
+    return;
+  }
+  const pkv_i64 moves = row_bytes / vec;
+  pkv_i64 per_head = lanes;
+  while (per_head > 1 && per_head > moves) per_head /= 2;
+  for (pkv_i64 h = lane / per_head; h < heads; h += lanes / per_head) {
+    copy_row(dst + h * dst_head, src + h * src_head, row_bytes, vec, lane % per_head, per_head);
+  }
+}
+
 }  // namespace pkv
 )PAGEDKV"};
 // clang-format on

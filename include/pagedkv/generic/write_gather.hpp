@@ -16,7 +16,7 @@
 #include "pagedkv/page_table.hpp"
 
 namespace pagedkv {
-namespace kernels {
+namespace generic {
 
 /// Row of the [n_pages * page_size * n_heads, head_dim] view of one layer
 /// that holds (page, token offset, head): the layout's strides in head rows.
@@ -106,5 +106,5 @@ std::pair<at::Tensor, at::Tensor> gather_generic(const PageTableRef<Index>& tabl
   return {gather_layer(k_layer), gather_layer(v_layer)};
 }
 
-}  // namespace kernels
+}  // namespace generic
 }  // namespace pagedkv

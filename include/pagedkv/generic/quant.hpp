@@ -13,23 +13,23 @@
 #include <vector>
 
 #include "pagedkv/cpu/quant/scalar.hpp"  // the codes' definition: format_max, kFp8Max, kInt8Max
-#include "pagedkv/generic/kernels.hpp"
+#include "pagedkv/generic/write_gather.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_table.hpp"
 
 namespace pagedkv {
-namespace quant_kernels {
+namespace generic {
 
 /// The scales of head vectors x [N, D] (float32): the same float32 division
 /// as scale_for (a tensor divisor: a scalar one may become a multiply by its
 /// reciprocal on some devices).
 inline at::Tensor scales_of(const at::Tensor& xf, KVFormat f) {
   const at::Tensor amax = xf.abs().amax(-1, /*keepdim=*/true);  // [N, 1]
-  return amax / at::full_like(amax, quant::format_max(f));
+  return amax / at::full_like(amax, cpu::quant::format_max(f));
 }
 
-/// Codes of y = x / scale (float32), exactly as quant::encode_e4m3 /
+/// Codes of y = x / scale (float32), exactly as cpu::quant::encode_e4m3 /
 /// encode_int8 compute them; rows with scale 0 get zero codes.
 inline at::Tensor encode_generic(const at::Tensor& xf,     // [N, D] float32
                                  const at::Tensor& scale,  // [N, 1] float32
@@ -37,7 +37,7 @@ inline at::Tensor encode_generic(const at::Tensor& xf,     // [N, D] float32
   const at::Tensor zero_rows = scale.le(0);  // [N, 1]
   const at::Tensor y = xf / scale;
   if (f == KVFormat::int8) {
-    at::Tensor r = at::round(y).clamp_(-quant::kInt8Max, quant::kInt8Max);  // round: half to even
+    at::Tensor r = at::round(y).clamp_(-cpu::quant::kInt8Max, cpu::quant::kInt8Max);  // round: half to even
     r.masked_fill_(at::isnan(r), 0);
     r.masked_fill_(zero_rows, 0);
     return r.to(at::kChar);
@@ -49,14 +49,14 @@ inline at::Tensor encode_generic(const at::Tensor& xf,     // [N, D] float32
   const at::Tensor normal = rounded - (120 << 3);
   const at::Tensor subnormal = at::round(a.clamp_max(0x1p-6f) * 512.0f).to(at::kInt);
   at::Tensor magnitude = at::where(a.lt(0x1p-6f), subnormal, normal);
-  magnitude.masked_fill_(a.ge(quant::kFp8Max), 0x7E);
+  magnitude.masked_fill_(a.ge(cpu::quant::kFp8Max), 0x7E);
   magnitude.masked_fill_(at::isnan(a), 0);
   at::Tensor code = magnitude + at::signbit(y).to(at::kInt) * 0x80;
   code.masked_fill_(zero_rows, 0);
   return code.to(at::kByte);
 }
 
-/// decode(codes) * scales in float32, exactly as quant::decode_row.
+/// decode(codes) * scales in float32, exactly as cpu::quant::decode_row.
 inline at::Tensor decode_generic(const at::Tensor& codes,   // [..., D] kByte / kChar
                                  const at::Tensor& scales,  // [..., 1] float32
                                  KVFormat f) {
@@ -69,7 +69,7 @@ inline at::Tensor decode_generic(const at::Tensor& codes,   // [..., D] kByte / 
 }
 
 /// Device-agnostic write of one side: head rows indexed as in
-/// kernels::write_generic; a quantized side gets its codes and scales.
+/// generic::write_generic; a quantized side gets its codes and scales.
 template <class Index>
 void write_side_generic(const PageTableRef<Index>& table, const std::vector<int64_t>& starts, int64_t n_tokens,
                         const at::Tensor& x,       // [B, S, H, D], the logical dtype
@@ -84,10 +84,10 @@ void write_side_generic(const PageTableRef<Index>& table, const std::vector<int6
     for (int64_t s = 0; s < n_tokens; ++s) {
       const int64_t pos = starts[static_cast<size_t>(b)] + s;
       const int64_t page = table(b, pos / g.page_size);
-      for (int64_t h = 0; h < g.n_heads; ++h) rows.push_back(kernels::head_row(g, page, pos % g.page_size, h));
+      for (int64_t h = 0; h < g.n_heads; ++h) rows.push_back(generic::head_row(g, page, pos % g.page_size, h));
     }
   }
-  const at::Tensor index = kernels::host_index(rows, layer.device());
+  const at::Tensor index = generic::host_index(rows, layer.device());
   const at::Tensor flat = x.reshape({-1, g.head_dim});
   if (!is_quantized(format)) {
     layer.view({-1, g.head_dim}).index_copy_(0, index, flat);
@@ -106,12 +106,12 @@ at::Tensor gather_side_generic(const PageTableRef<Index>& table, const std::vect
                                const at::Tensor& layer,   // [n_pages, <page>]
                                const at::Tensor& scales,  // [n_pages, page_size * H]; undefined for native
                                const PageGeometry& g, at::ScalarType dtype) {
-  if (!is_quantized(format)) return kernels::gather_generic(table, lengths, n_tokens, layer, layer, g).first;
+  if (!is_quantized(format)) return generic::gather_generic(table, lengths, n_tokens, layer, layer, g).first;
   // Masked positions read codes 0 and scale 0: zeros.
-  const at::Tensor codes = kernels::gather_generic(table, lengths, n_tokens, layer, layer, g).first;  // [B, T, H, D]
-  const at::Tensor s = kernels::gather_generic(table, lengths, n_tokens, scales, scales, scale_geometry(g)).first;
+  const at::Tensor codes = generic::gather_generic(table, lengths, n_tokens, layer, layer, g).first;  // [B, T, H, D]
+  const at::Tensor s = generic::gather_generic(table, lengths, n_tokens, scales, scales, scale_geometry(g)).first;
   return decode_generic(codes, s, format).to(dtype);
 }
 
-}  // namespace quant_kernels
+}  // namespace generic
 }  // namespace pagedkv
