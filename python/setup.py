@@ -8,6 +8,12 @@ pagedkv/pagedkv.hpp. PAGEDKV_WERROR=1 turns warnings in pagedkv's own
 sources into errors (the project's make targets set it). PAGEDKV_OPT
 replaces the optimisation flag (default -O3; CI builds the tests at -O1,
 bench/NOTES.md "CI time": the same code paths, a third of the compile time).
+
+Against a CUDA build of torch, with the CUDA toolkit's headers found
+(torch's CUDA_HOME), the extension defines PAGEDKV_WITH_CUDA=1 and links
+torch's CUDA libraries, as pagedkv's CMake target does: CUDA tensors then run
+the CUDA kernels (compiled at run time by NVRTC; no nvcc is used here).
+PAGEDKV_PY_CUDA=0 builds without them (CUDA tensors take the ATen path).
 """
 import os
 import sys
@@ -17,7 +23,7 @@ from setuptools import setup
 
 try:
     import torch
-    from torch.utils.cpp_extension import BuildExtension, CppExtension, include_paths
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension, include_paths
 except ImportError:
     sys.exit(
         "pagedkv: building the extension needs torch importable in this environment, and it is not.\n"
@@ -58,13 +64,24 @@ for path in include_paths() + [sysconfig.get_paths()["include"]]:
 if os.environ.get("PAGEDKV_WERROR") == "1":
     cxx_flags.append("-Werror")
 
+WITH_CUDA = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("PAGEDKV_PY_CUDA") != "0"
+if WITH_CUDA:
+    cxx_flags.append("-DPAGEDKV_WITH_CUDA=1")
+    try:
+        cuda_paths = include_paths(device_type="cuda")  # torch >= 2.6
+    except TypeError:
+        cuda_paths = include_paths(cuda=True)
+    for path in cuda_paths:
+        cxx_flags += ["-isystem", path]
+Extension = CUDAExtension if WITH_CUDA else CppExtension
+
 # The attention kernel's instances first: they take longest (ninja starts them first).
 SOURCES = ["attention_f32.cpp", "attention_f16.cpp", "attention_bf16.cpp", "module.cpp", "cache.cpp",
            "attention.cpp", "sequences.cpp"]
 
 setup(
     ext_modules=[
-        CppExtension(
+        Extension(
             "pagedkv._C",
             [os.path.join("src", s) for s in SOURCES],
             include_dirs=[os.path.abspath(INCLUDE)],

@@ -350,8 +350,9 @@ TORCH_LIBRARY_IMPL(pagedkv, CPU, m) {
   m.impl("copy_pages", &pagedkv_py::copy_pages_op);
 }
 
-// CUDA tensors take the library's device-agnostic ATen path, as a CUDA
-// PagedCache does today (ops::use_cpu_kernels is false off the CPU).
+// CUDA tensors: the same functions, whose operations layer (pagedkv/ops/)
+// runs the CUDA kernels in a CUDA build of the package, as a CUDA
+// PagedCache does.
 TORCH_LIBRARY_IMPL(pagedkv, CUDA, m) {
   m.impl("write", &pagedkv_py::write_op);
   m.impl("write.starts", &pagedkv_py::write_starts_op);
