@@ -265,8 +265,8 @@ void register_layout(const std::string& layout) {
       {"write_decode_ragged/" + layout + "/B256", 256, 1, 1000, true, 0},
       {"write_prefill/" + layout + "/B4xS2048", 4, 2048, 0, false, 0},
       // Not in the issue's suite: decode writes into slots not written for
-      // 256 calls (cold lines, as in a real decode step) rather than the
-      // same slot every call (bench/NOTES.md, streaming stores).
+      // 256 calls (cold lines, as in a real decode step) rather than the same
+      // slot every call (bench/NOTES.md, "Streaming stores (issue 3, change 5)").
       {"write_decode_cold/" + layout + "/B256", 256, 1, 1000, false, 256},
   };
   const std::vector<GatherSpec> gathers = {

@@ -265,10 +265,10 @@ T& fixture(const std::string& key, const std::function<std::unique_ptr<T>()>& ma
 
 // ---- the memcpy limit ----
 
-/// Bytes per at::parallel_for chunk of the memcpy baseline: a copy of at
-/// most this runs on one thread. Measured (bench/NOTES.md, "threads"): two
-/// threads lose below 64 KiB and win from 128 KiB, as for the kernels'
-/// pagedkv::cpu::kChunkBytes.
+/// Bytes per at::parallel_for chunk of the memcpy baseline: a copy of at most
+/// this runs on one thread. Measured (bench/NOTES.md, "Threads and grain
+/// sizes (issue 3, change 8)"): two threads lose below 64 KiB and win from
+/// 128 KiB, as for the kernels' pagedkv::cpu::kChunkBytes.
 constexpr int64_t kMemcpyGrain = int64_t{64} << 10;
 
 /// memcpy of `copy_bytes` plus memset of `zero_bytes`, between buffers that

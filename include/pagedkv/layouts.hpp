@@ -77,10 +77,10 @@ struct PageGeometry {
 };
 
 /// The page column of token positions (>= 0): a shift for a power-of-two
-/// page size (every engine's default), a division for any other. A 64-bit division costs 4-5 ns on the
-/// machines we measured, and a 32-token decode write split positions about
-/// 200 times per call before it used this (bench/NOTES.md, "Fixed costs of
-/// small writes").
+/// page size (every engine's default), a division for any other. A small
+/// decode write splits positions several times per sequence, and a 64-bit
+/// division there was a measurable share of its time (bench/NOTES.md,
+/// "Fixed costs of small writes").
 class PageDivisor {
  public:
   /// page_size >= 1.

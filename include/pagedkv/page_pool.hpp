@@ -74,7 +74,7 @@ class PagePool {
   /// retain() of every page of a list (a page listed twice gains 2), all or
   /// nothing: on any bad id nothing changes. For forks, which share every
   /// page of a sequence: one tight pass instead of a checked call per page
-  /// (bench/NOTES.md, change 9).
+  /// (bench/NOTES.md, "Bulk reference counts (issue 3, change 9)").
   void retain_all(c10::ArrayRef<int64_t> pages) {
     size_t done = 0;
     for (; done < pages.size(); ++done) {

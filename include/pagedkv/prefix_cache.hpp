@@ -337,7 +337,7 @@ class PrefixCache final : private PageReclaimer {
   friend struct PrefixCacheTestAccess;  // tests inject a constant hash to prove tokens are compared
 
   static constexpr int32_t kNone = -1;
-  static constexpr int kPrefetch = 8;  // pages ahead (a miss is ~100 ns, a page's work ~20 ns)
+  static constexpr int kPrefetch = 8;  // pages ahead: hides a slot's miss (bench/NOTES.md, "PrefixCache (issue 10)")
 
   struct Node {
     uint64_t hash = 0;

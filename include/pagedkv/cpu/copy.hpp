@@ -62,11 +62,11 @@ constexpr bool kHaveStreamingStores = false;
 #endif
 
 /// Writes into the cache that move at least this many bytes use streaming
-/// stores even where whole tokens are contiguous (NHD). Measured, one thread,
-/// decode writes of 2 KiB tokens (bench/NOTES.md): into slots written just
-/// before (still cached) plain stores win up to 512 KiB (128 sequences: 23
-/// vs 31 us) and lose from 1 MiB (256: 86 vs 61 us); into cold slots, as in a
-/// real decode step, streaming wins at every size (32 sequences: 17 vs 8 us).
+/// stores even where whole tokens are contiguous (NHD). Into slots written
+/// just before (still cached) plain stores win decode writes up to 512 KiB
+/// and lose from 1 MiB; into cold slots, as in a real decode step,
+/// streaming wins at every size, so the threshold bounds the cold case
+/// (bench/NOTES.md, "Streaming stores (issue 3, change 5)").
 constexpr int64_t kStreamingMinBytes = int64_t{1} << 20;
 
 /// Whether a write of `bytes` into pages with strides `page` streams: when
@@ -115,10 +115,10 @@ void parallel_copy(int64_t n, int64_t grain, bool stream, const CopyItems& copy_
   });
 }
 
-/// Copies kBytes (a multiple of 16) with 16-byte moves the compiler unrolls.
-/// For one head vector this beats both a libc call and the `rep movsq` GCC
-/// emits for a constant-size memcpy of 256 bytes (bench/NOTES.md). kStream:
-/// streaming stores when `dst` is 16-byte aligned.
+/// Copies kBytes (a multiple of 16) with 16-byte moves the compiler unrolls,
+/// not a libc call per head vector or the `rep movsq` GCC emits for a constant
+/// 256-byte memcpy (bench/NOTES.md, "Smaller changes and what was not kept
+/// (issue 3, Xeon)"). kStream: streaming stores when `dst` is 16-byte aligned.
 template <int64_t kBytes, bool kStream = false>
 inline void copy_fixed(char* dst, const char* src) noexcept {
   static_assert(kBytes % 16 == 0, "copy_fixed: a multiple of 16 bytes");
@@ -165,7 +165,7 @@ inline void copy_run(char* dst, const char* src, int64_t bytes) noexcept {
 /// dimension that jumps further. The reads are what the prefetchers must
 /// follow; the writes stream, or go to as many runs at once as the inner
 /// loop has steps (a block's tokens, at most page_size, or its heads). An HND
-/// prefill write (token-major source, head-major pages) took ~2.5x as long
+/// prefill write (token-major source, head-major pages) was much slower
 /// when the loop followed the pages instead (bench/NOTES.md, "Head vectors
 /// copied in the source's order").
 template <class CopyRow>
@@ -231,9 +231,9 @@ inline void zero_tokens(char* dst, int64_t tokens, int64_t token_bytes) {
 
 /// Work items per at::parallel_for chunk so that one chunk moves about
 /// `kChunkBytes`; a call that moves less runs on the calling thread.
-/// Measured on 2 cores (bench/NOTES.md, "threads"): a second thread loses
-/// below 64 KiB (decode write of 8 sequences: 2.5 us on one thread, 3.0 on
-/// two), breaks even at 64-128 KiB and wins above (32 sequences: 7.3 vs 5.8).
+/// On 2 cores a second thread loses below 64 KiB (a decode write of 8
+/// sequences), breaks even at 64-128 KiB and wins above (bench/NOTES.md,
+/// "Threads and grain sizes (issue 3, change 8)").
 constexpr int64_t kChunkBytes = int64_t{64} << 10;
 inline int64_t grain_for(int64_t bytes_per_item) {
   return std::max<int64_t>(1, kChunkBytes / std::max<int64_t>(1, bytes_per_item));

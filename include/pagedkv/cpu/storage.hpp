@@ -22,14 +22,14 @@ namespace cpu {
 
 /// Storage for the outputs of CPU gathers, recycled once the caller has
 /// dropped every tensor that used it. A fresh large at::empty costs a page
-/// fault per 4 KiB (the kernel zeroes each page on first touch), which made
-/// a gather several times slower than a memcpy of the same bytes; engines
-/// drop a gather's k and v before the next gather (next layer, next step),
-/// so the storage can be reused. A storage is reused only when nothing else
-/// refers to it (no tensor, no view, no weak reference), when it is large
-/// enough, and when it is at most twice the size needed (so a small gather
-/// does not pin a huge buffer). Holds at most one storage per slot.
-/// Thread-safe (gather is const and may run concurrently).
+/// fault per 4 KiB (the kernel zeroes each page on first touch), which made a
+/// gather several times slower than a memcpy (bench/NOTES.md, "Output recycler
+/// (issue 3, change 2)"); engines drop a gather's k and v before the next
+/// gather (next layer, next step), so the storage can be reused. A storage is
+/// reused only when nothing else refers to it (no tensor, no view, no weak
+/// reference), when it is large enough, and when it is at most twice the size
+/// needed (so a small gather does not pin a huge buffer). Holds at most one
+/// storage per slot. Thread-safe (gather is const and may run concurrently).
 class OutputRecycler {
  public:
   static constexpr size_t kSlots = 2;  ///< one for k, one for v
@@ -76,8 +76,8 @@ class OutputRecycler {
 /// 2 MiB or more starts at a 2 MiB boundary: torch's allocator gives 64-byte
 /// alignment (large blocks start 64 bytes past a 4 KiB boundary), which
 /// made every page, and every head run of an HND page, straddle a 4 KiB
-/// boundary, where hardware prefetchers stop (decode from memory 4-6 %
-/// slower on Zen 3: bench/NOTES.md, "Three keys per score pass"). The
+/// boundary, where hardware prefetchers stop, which slowed decode from
+/// memory (bench/NOTES.md, "Three keys per score pass"). The
 /// tensor is then a view, at an offset, of a byte storage up to 2 MiB
 /// larger. On Linux that storage is also advised to use transparent huge
 /// pages before its first touch: the kernels hop between pages far apart,

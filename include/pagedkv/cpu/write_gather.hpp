@@ -37,9 +37,9 @@ TokenMajorKv<Byte> token_major(Byte* k_data, const at::Tensor& k, Byte* v_data, 
 }
 
 /// Layer `layer` of a cache tensor [n_layers, ...] as raw bytes. CPU kernels
-/// take this rather than select(0, layer): on libtorch 1.13 a select costs
-/// about 1 us (a dispatch and an autograd view), a sixth of a 32-token decode
-/// write (bench/NOTES.md, "Fixed costs of small writes").
+/// take this rather than select(0, layer): on libtorch 1.13 a select is a
+/// dispatch and an autograd view, a large share of a 32-token decode write
+/// (bench/NOTES.md, "Fixed costs of small writes").
 inline char* layer_bytes(const at::Tensor& storage, int64_t layer) {
   const auto elem_size = static_cast<int64_t>(storage.element_size());
   return static_cast<char*>(storage.data_ptr()) + layer * storage.stride(0) * elem_size;

@@ -55,10 +55,10 @@ void write_generic(const PageTableRef<Index>& table, const std::vector<int64_t>&
 
 /// Device-agnostic gather, one index entry per (sequence, page column): the
 /// layer seen as [n_pages, P, H, D] through the layout's strides (so HND
-/// pages come out token-major), index_select of whole pages, then zeros
-/// where a column is unmapped or past a length. Indexing head rows instead
-/// (B*T*H entries built on the host and copied to the device per call) made
-/// it 2.5x slower (bench/NOTES.md, change 10).
+/// pages come out token-major), index_select of whole pages, then zeros where
+/// a column is unmapped or past a length. Indexing head rows instead (B*T*H
+/// entries built on the host and copied to the device per call) was slower
+/// (bench/NOTES.md, "The generic (CUDA) gather (issue 3, change 10)").
 template <class Index>
 std::pair<at::Tensor, at::Tensor> gather_generic(const PageTableRef<Index>& table,
                                                  const std::vector<int64_t>& lengths,  // [B], each <= T

@@ -66,7 +66,7 @@ inline bool cpu_has_avx512_bf16() {
 
 #ifdef PAGEDKV_ATTENTION_AVX512
 namespace detail {
-/// Multiply-adds per timed pass of cpu_has_wide_fmas (0.13-0.15 ms on Zen 4).
+/// Multiply-adds per timed pass of cpu_has_wide_fmas (short: once per process).
 constexpr int64_t kTimedMultiplyAdds = int64_t{1} << 23;
 
 // The timed loop's two operations per width: the same loop below serves
@@ -80,12 +80,12 @@ __attribute__((target("avx512f,avx2,fma"))) inline __m512 fma_step(__m512 a, __m
   return _mm512_fmadd_ps(a, b, c);
 }
 
-/// The fastest of three passes of kTimedMultiplyAdds as FMAs of Vec
-/// (__m256 or __m512) on 12 dependent chains (acc * c + d converges to 1:
-/// no overflow, no subnormals). AVX-512 CPUs only (cpu_has_wide_fmas).
-/// The chains start from different values: started equal, g++ -O3 merged
-/// them into one, and the passes timed one chain's latency (a ratio of
-/// exactly 2 on Zen 4) instead of the pipes' throughput.
+/// The fastest of three passes of kTimedMultiplyAdds as FMAs of Vec (__m256
+/// or __m512) on 12 dependent chains (acc * c + d converges to 1: no
+/// overflow, no subnormals). AVX-512 CPUs only (cpu_has_wide_fmas). The
+/// chains start from different values: started equal, g++ -O3 merged them
+/// into one, and the passes timed one chain's latency instead of the pipes'
+/// throughput (bench/NOTES.md, "The decode step in 512 bits").
 template <class Vec>
 __attribute__((target("avx512f,avx2,fma"))) double best_fma_seconds() {
   constexpr int64_t kLanes = static_cast<int64_t>(sizeof(Vec) / sizeof(float));
@@ -108,14 +108,14 @@ __attribute__((target("avx512f,avx2,fma"))) double best_fma_seconds() {
 }  // namespace detail
 #endif
 
-/// Whether a 512-bit FMA does about twice the work of a 256-bit one on
-/// this core: 2^23 multiply-adds on 12 independent chains ran at least 1.5x
-/// as fast in 512-bit vectors (best of three each, 1.2-1.5 ms once per process,
-/// on the first caller's core). Cores with two 512-bit FMA pipes (most
-/// Xeons since Skylake-SP) give ~2x; cores that split a 512-bit FMA in two
-/// (Zen 4) or have one 512-bit pipe give ~1x, so the margin keeps a noisy
-/// timing from changing the answer (Zen 4: 1.00x, both at peak). The AVX-512
-/// path's decode step follows it (cpu/attention/decode.hpp).
+/// Whether a 512-bit FMA does about twice the work of a 256-bit one on this
+/// core: 2^23 multiply-adds on 12 independent chains ran at least 1.5x as
+/// fast in 512-bit vectors (best of three each, once per process, on the
+/// first caller's core). Cores with two 512-bit FMA pipes (most Xeons since
+/// Skylake-SP) run them twice as fast, cores that split a 512-bit FMA (Zen 4)
+/// or have one 512-bit pipe no faster; the margin keeps a noisy timing from
+/// changing the answer (bench/NOTES.md, "The decode step in 512 bits"). The
+/// AVX-512 path's decode step follows it (cpu/attention/decode.hpp).
 inline bool cpu_has_wide_fmas() {
 #ifdef PAGEDKV_ATTENTION_AVX512
   static const bool wide = cpu_has_avx512() && [] {

@@ -154,8 +154,8 @@ struct Avx2 {
   }
 
   /// [sum(s0), sum(s1), sum(s2), sum(s3)], reduced with unpacks and
-  /// shuffles: beside FMAs on Zen 3 each costs ~0.1 cycle, a vhaddps ~0.7
-  /// and a vperm2f128 ~0.5 (bench/NOTES.md, "Three keys per score pass").
+  /// shuffles: beside FMAs these are nearly free, where vhaddps and
+  /// vperm2f128 are not (bench/NOTES.md, "Three keys per score pass").
   PAGEDKV_TARGET_AVX2 static __m128 sum4(__m256 s0, __m256 s1, __m256 s2, __m256 s3) noexcept {
     const __m256 s01 = _mm256_add_ps(_mm256_unpacklo_ps(s0, s1), _mm256_unpackhi_ps(s0, s1));
     const __m256 s23 = _mm256_add_ps(_mm256_unpacklo_ps(s2, s3), _mm256_unpackhi_ps(s2, s3));

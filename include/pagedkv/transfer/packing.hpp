@@ -98,7 +98,7 @@ void pack_layer(const PagedCache<Layout>& cache, int64_t layer, const std::vecto
     char* out = static_cast<char*>(chunk.data_ptr());
     // On the calling thread: the group's thread sends the previous layer
     // meanwhile, and a parallel region per layer stalls whenever a worker
-    // is descheduled (bench/NOTES.md, transfer).
+    // is descheduled (bench/NOTES.md, "Transfer (issue 12)").
     for (int64_t item = 0; item < 2 * n; ++item) {
       const int64_t kv = item / n;
       const int64_t i = item % n;

@@ -22,8 +22,8 @@ inline at::Tensor& staging_slot(StagingRole role) {
 
 /// A staging tensor of `shape`. On the CPU it is one buffer per thread and
 /// role, reused from transfer to transfer: a fresh 64 MiB buffer costs more
-/// in page faults than the copy into it (bench/NOTES.md, transfer). Other
-/// devices have caching allocators of their own.
+/// in page faults than the copy into it (bench/NOTES.md, "Transfer (issue
+/// 12)"). Other devices have caching allocators of their own.
 inline at::Tensor staging(StagingRole role, at::IntArrayRef shape, const at::TensorOptions& options) {
   if (!options.device().is_cpu()) return at::empty(shape, options);
   at::Tensor& slot = staging_slot(role);

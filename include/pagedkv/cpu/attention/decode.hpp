@@ -57,11 +57,11 @@ struct DecodeStepOf<simd::Avx2> {
 #endif
 
 // AVX-512 machines take the AVX2 step unless a 512-bit FMA does twice the
-// work of a 256-bit one there (cpu_has_wide_fmas; then WideDecodeStep): on
-// Zen 4 the AVX2 step decoded in 0.63-0.74x the time of the AVX-512
-// general loop from memory and 0.85-0.92x from L3 (bench/NOTES.md, "The
-// decode step on AVX-512 machines"), and the 512-bit step took 1.07-1.3x
-// the 256-bit one's time ("The decode step in 512 bits").
+// work of a 256-bit one there (cpu_has_wide_fmas; then WideDecodeStep):
+// where it does not (Zen 4 runs it as two halves), the AVX2 step beat
+// both the AVX-512 general loop (bench/NOTES.md, "The decode step on
+// AVX-512 machines") and the 512-bit step ("The decode step in 512
+// bits").
 #if defined(PAGEDKV_ATTENTION_AVX512) && defined(PAGEDKV_ATTENTION_AVX2)
 template <>
 struct DecodeStepOf<simd::Avx512> {
@@ -198,14 +198,14 @@ void decode_item_of(const Pr& pr, const Work& w,
     const int64_t in_page = t % g.page_size;
     const int64_t run = std::min(t_end - t, g.page_size - in_page);
     const int64_t page = pr.table(w.b, column);
-    // The item's next page, read ahead: its first tokens, as many as this
-    // run. On every CPU and side, unlike the general loop (prefetches_side
-    // leaves runs of 2 KiB and more to Intel's hardware prefetchers): the
-    // step was measured with its read-ahead only (without it, 2.5x the time
-    // in a probe on Zen 4), and on a Sapphire Rapids guest the general loop
-    // took 1.43x as long per byte on HND pages, not read ahead, as on NHD
-    // pages, read ahead (issue 35). Unmeasured on Intel: bench/NOTES.md,
-    // "Decode steps read ahead on Intel too".
+    // The item's next page, read ahead: its first tokens, as many as this run.
+    // On every CPU and side, unlike the general loop (prefetches_side leaves
+    // runs of 2 KiB and more to Intel's hardware prefetchers): the step waits
+    // for memory without it (bench/NOTES.md, "An FMA-only pass; where the
+    // decode step's time goes on Zen 4"), and on issue 35's Sapphire Rapids
+    // guest the general loop was slower per byte on HND pages, not read ahead,
+    // than on NHD pages, read ahead. The step is unmeasured on Intel:
+    // bench/NOTES.md, "Decode steps read ahead on Intel too".
     const int64_t n_next = std::min(run, t_end - (t + run));
     const int64_t next_page = n_next > 0 ? pr.table(w.b, column + 1) : 0;
     if constexpr (kIsCode<E>) {

@@ -78,8 +78,8 @@ struct ValueLanes {
 /// bf16: one 32-byte load, each half's elements moved into the high 16
 /// bits of its lanes by an unpack with zero: one instruction per 8 floats
 /// against two for the in-order widening (vpmovzxwd, vpslld), which made
-/// the values of a bf16 step ~15 % slower than fp16 ones on Zen 3
-/// (bench/NOTES.md, "Three keys per score pass"). Unpacks stay within
+/// the values of a bf16 step slower than fp16 ones (bench/NOTES.md, "Three
+/// keys per score pass"). Unpacks stay within
 /// 128-bit halves, so half 0 holds elements 0-3 and 8-11 of the 16, half 1
 /// elements 4-7 and 12-15. (Scores keep the in-order load: a zero vector's
 /// register is one more than a three-key pass has.)
@@ -161,8 +161,8 @@ struct Avx2Decode {
 
   /// Scores, softmax update and values of one step (R in 1..4).
   /// Not inlined: a call per step costs nothing measurable, and compiled
-  /// into the kernel's flattened item loop the step ran 2-3 % slower
-  /// (B2xT2048 NHD from L3: 1.21-1.22 ms against 1.18-1.20 ms).
+  /// into the kernel's flattened item loop the step ran slower
+  /// (bench/NOTES.md, "Tried and not kept (decode attention)").
   template <int R, class E>
   PAGEDKV_TARGET_AVX2 __attribute__((noinline)) static void run(const Operands<E>& st) noexcept {
     if constexpr (std::is_same<E, simd::E4m3Code>::value) {
@@ -213,9 +213,9 @@ struct Avx2Decode {
   /// A step on fp8 pages: its keys, then its values, widened to fp16 bits
   /// 16 codes per instruction (widen_e4m3), then the fp16 passes over them
   /// with the codes' scales. Widening 8 codes where the passes load them
-  /// took 4 operations (Avx2::load8), 2.5 this way, and a step in L1 took
-  /// 1.5x the time of an fp16 one (bench/NOTES.md, "Quantized pages take
-  /// the decode step"). Step: whose passes (this step's, Avx512Decode's).
+  /// took 4 operations (Avx2::load8), 2.5 this way, inside a step that is
+  /// bound by its arithmetic (bench/NOTES.md, "Quantized pages take the
+  /// decode step"). Step: whose passes (this step's, Avx512Decode's).
   template <class Step, int R>
   PAGEDKV_TARGET_AVX2 __attribute__((always_inline)) static inline void run_widened(
       const Operands<simd::E4m3Code>& st) noexcept {
@@ -281,8 +281,8 @@ struct Avx2Decode {
   /// (this step's FMAs, or Avx512Bf16Decode's dot products). Three keys at
   /// a time where it can: 3 x R FMA chains (12 at R = 4, with the three
   /// keys and one query vector: all 16 registers) keep both FMA pipes busy,
-  /// while the 2 x R chains of a pair wait on the FMA latency for a quarter
-  /// of the time (bench/NOTES.md, "Three keys per score pass"). The rest of
+  /// while the 2 x R chains of a pair just cover the FMA latency and stall on
+  /// any late operand (bench/NOTES.md, "Three keys per score pass"). The rest of
   /// n goes in pairs: none, one, or two (n = 3t + 4), and n = 1 scores its
   /// key twice. An odd n's slot n gets a copy of the last key's scores: the
   /// softmax reads the keys in pairs and zeroes that copy's weight. Lines

@@ -5,8 +5,8 @@
 // value pass 32 columns per row and key: half the FMAs and half the loads
 // of the 256-bit step; the softmax, the pass order and the read-ahead are
 // Avx2Decode's. On Zen 4, which splits a 512-bit FMA in two, this step
-// took 1.07-1.3x the 256-bit one's time (bench/NOTES.md, "The decode step
-// in 512 bits"), so cores there keep the 256-bit step.
+// was slower than the 256-bit one (bench/NOTES.md, "The decode step in 512
+// bits"), so cores there keep the 256-bit step.
 // Not measured on a core with two 512-bit pipes: no such machine was lent
 // since it was written.
 #pragma once

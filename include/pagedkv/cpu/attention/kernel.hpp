@@ -128,7 +128,7 @@ struct Scratch {
 /// whose head's tokens are contiguous (HND) and whose sides are native.
 /// In place saves the block's conversion pass and its round trip through
 /// L2 (the copies of 8 heads x 32 tokens x 128 floats, K and V, are
-/// 256 KiB): bench/NOTES.md, "attention".
+/// 256 KiB): bench/NOTES.md, "The general loop (`cpu/attention/kernel.hpp`)".
 template <class Ops, class T>
 bool reads_in_place(const PageGeometry& g, const KVSide& k, const KVSide& v) {
   const bool head_major = g.token_stride == g.head_dim;
@@ -167,7 +167,7 @@ void for_each_page_run(int64_t page_size, int64_t t0, int64_t n, F&& f) {
 /// The index of a quantized side's scale of (page, token slot, head): one
 /// scale per (token, head) vector in the pages' layout order, so the index
 /// is the vector's element offset / D. The steps are divided once, not per
-/// vector (a 64-bit division costs ~40 cycles).
+/// vector (64-bit divisions are slow: bench/NOTES.md, "Fixed costs of small writes").
 struct ScaleIndex {
   int64_t page_vectors;   ///< scales per page
   int64_t token_vectors;  ///< between consecutive tokens of one head
@@ -224,8 +224,8 @@ void load_block(const Problem<T>& pr, const KVSide& side, int64_t b, int64_t h0,
 /// Prefetches the scales load_block will copy for kv heads [h0, h0 + nh)
 /// and tokens [t0, t0 + n) of sequence b, on a quantized side. load_block
 /// copies a block's scales as soon as it locates the block, so without this
-/// each page's first scale load waited for memory: ~10 % of the fp8
-/// kernel's samples (bench/NOTES.md, "Scales read ahead").
+/// each page's first scale load waited for memory (bench/NOTES.md, "Scales
+/// read ahead").
 template <class T>
 void prefetch_scales(const Problem<T>& pr, const KVSide& side, int64_t b, int64_t h0, int64_t nh, int64_t t0,
                      int64_t n) {

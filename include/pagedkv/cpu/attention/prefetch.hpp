@@ -23,14 +23,14 @@ namespace attention {
 /// __builtin_prefetch as free of side effects, took prefetch_rows (nothing
 /// but prefetches) for a pure function and deleted the calls whose result,
 /// none, was unused: the kernel ran without prefetching (bench/NOTES.md,
-/// "Reading one chunk ahead"). The line is a memory operand, which lets the
-/// compiler fold the address arithmetic into the instruction (a register
-/// operand made the decode step 1-4 % slower), but which it must assume the
-/// asm reads: inside a loop over an array of vector accumulators, g++ then
-/// kept the array in memory, storing it every iteration (2.5x the time, in a
-/// probe). Call it between vector loops, as the kernels do, or check the
-/// loop's code (bench/NOTES.md, "Spread read-ahead, 512-bit passes and
-/// two-page steps on Zen 4").
+/// "Reading one chunk ahead"). The line is a memory operand, which lets
+/// the compiler fold the address arithmetic into the instruction (a
+/// register operand made the decode step slower), but which it must assume
+/// the asm reads: inside a loop over an array of vector accumulators, g++
+/// then kept the array in memory, storing it every iteration. Call it
+/// between vector loops, as the kernels do, or check the loop's code
+/// (bench/NOTES.md, "Spread read-ahead, 512-bit passes and two-page steps
+/// on Zen 4").
 inline void prefetch_line(const void* address) noexcept {
 #if defined(__GNUC__) && defined(__x86_64__)
   asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(address)));
@@ -82,9 +82,9 @@ class LinesAhead {
 
   /// Asks for the next `count` lines (fewer at the end).
   void next(int64_t count) noexcept {
-    // One run with more than `count` lines left (a decode step's usual
-    // case): `count` prefetches in a row. The general loop below costs
-    // about a cycle a line, 10 % of a decode step that reads a page ahead
+    // One run with more than `count` lines left (a decode step's usual case):
+    // `count` prefetches in a row. The general loop below spends cycles on
+    // every line, a visible share of a decode step that reads a page ahead
     // (bench/NOTES.md, "Three keys per score pass").
     if (rows_ == 1 && row_lines_ - line_ > count) {
       const char* const at = row_ + line_ * kLine;
@@ -179,11 +179,11 @@ inline void prefetch_piece_after(const PieceOrder& order,
 constexpr int64_t kPrefetchChunkBytes = 2048;
 
 /// The shortest run of a head's bytes, contiguous in a page, that this CPU's
-/// hardware prefetchers fetch well enough on their own. Intel's L2 streamer
-/// keeps up from 2 KiB (HND pages of 16 fp16 tokens are 4 KiB per head;
-/// prefetching those as well cost 10-20 %); AMD's (Zen 3) did not on 4 KiB
-/// runs: prefetching them took 30-40 % off attention decode. Elsewhere
-/// every side is prefetched. bench/NOTES.md has both measurements.
+/// hardware prefetchers fetch well enough alone. Intel's L2 streamer keeps up
+/// from 2 KiB: prefetching HND fp16 pages of 16 tokens too cost time
+/// (bench/NOTES.md, "Prefetching the next block (Xeon, 2026-12-01)"). AMD's
+/// (Zen 3) did not on 4 KiB runs: decode read them much faster prefetched
+/// ("Reading one chunk ahead"). Elsewhere every side is prefetched.
 inline int64_t hardware_streamed_run_bytes() {
 #if defined(__GNUC__) && defined(__x86_64__)
   static const int64_t bytes = __builtin_cpu_is("intel") ? int64_t{2048} : std::numeric_limits<int64_t>::max();
@@ -204,9 +204,9 @@ inline bool prefetches_side(const PageGeometry& g, int64_t elem_size) {
 
 /// Tokens per chunk when a side is read ahead: 8 where kPrefetchChunkBytes
 /// hold 8 of its vectors, else 4 (the score loop's keys per pass).
-/// More than 8 rows per chunk was slower even where they are short: fp8
-/// rows of 128 bytes read 16 at a time took 20 % longer than 8 at a time
-/// on NHD pages, 3-5 % on HND (bench/NOTES.md, "Token-major pieces").
+/// More than 8 rows per chunk was slower even where they are short (fp8
+/// rows of 128 bytes, 16 at a time against 8), on NHD pages most
+/// (bench/NOTES.md, "Token-major pieces").
 inline int64_t read_ahead_chunk(int64_t head_dim, int64_t elem_size) noexcept {
   const int64_t tokens = kPrefetchChunkBytes / (head_dim * elem_size);
   return tokens >= 8 ? 8 : 4;

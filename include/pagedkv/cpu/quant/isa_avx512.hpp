@@ -33,8 +33,8 @@ namespace quant {
 /// encode_e4m3 of 16 values y, given as y x 2^8 (kE4m3EncodeFactor): the
 /// scalar function's result, in fewer operations (the encoder is bound by
 /// the two vector ports here). Checked against encode_e4m3 on all 2^32
-/// floats (bench/NOTES.md); the tests check every fp16 input and 10^7
-/// random floats.
+/// floats (bench/NOTES.md, "Quantized pages (issue 11): codecs, writes,
+/// gathers"); the tests check every fp16 input and 10^7 random floats.
 /// - A NaN lane is zeroed at the start (the scalar function's magnitude 0).
 /// - Saturation is a min at 448 x 2^8 before rounding (rounding is monotonic
 ///   and 448 a code; infinity too).
@@ -96,9 +96,9 @@ PAGEDKV_TARGET_AVX512 inline __m512 decode_e4m3_times_x16(const uint8_t* codes, 
 
 /// encode_int8_of_row_avx2 on AVX-512: int8_lanes_of_row_x8's steps, 16
 /// lanes at a time. Here the low byte of each lane is its code (a NaN's
-/// 0x80000000 gives 0). On Zen 4 the quotient by reciprocal alone, with
-/// the clamp kept, was slower than the division (14.7 against 13.6 ns per
-/// 128 values), dropping the clamp alone gained 3 %, both together 22 %.
+/// 0x80000000 gives 0). The quotient by reciprocal with the clamp kept was
+/// slower than the division and dropping the clamp alone gained little; the
+/// two pay together (bench/NOTES.md, "Encoders of a row with its own scale").
 template <class T>
 PAGEDKV_TARGET_AVX512 void encode_int8_of_row_avx512(const T* x, int64_t n, float scale, int8_t* out) {
   const __m512 s = _mm512_set1_ps(scale);

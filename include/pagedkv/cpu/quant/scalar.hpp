@@ -81,10 +81,10 @@ inline uint8_t encode_e4m3(float y) noexcept {
 /// The value of an fp8 e4m3 code (NaN for 0x7F and 0xFF), exact, with no
 /// float32 subnormal on the way: normal codes rebias their exponent in the
 /// integer bits (7 -> 127); subnormal codes are m x 2^-9, an int conversion
-/// and a power-of-two product. (Placing the bits in a float32 and scaling
-/// by 2^120 is also exact, but a subnormal operand costs a microcode assist
-/// of ~100 cycles on x86: a gather of random codes ran 10x slower.)
-/// Selects are on integer bits, so the loops over it vectorise.
+/// and a power-of-two product. (Placing the bits in a float32 and scaling by
+/// 2^120 is also exact, but a subnormal operand costs a microcode assist on
+/// x86: bench/NOTES.md, "The codecs, vectorised (Xeon, 2026-12-01)".) Selects
+/// are on integer bits, so the loops over it vectorise.
 inline float decode_e4m3(uint8_t code) noexcept {
   const uint32_t c = code;
   const uint32_t sign = (c & 0x80u) << 24;
@@ -194,13 +194,13 @@ struct RowAmax {
 
 /// The vector paths' quantize_rows: `count` head vectors in groups of
 /// kQuantizeGroup, all the amaxes of a group first, then its scales and
-/// codes. One vector's amax -> scale -> codes is a chain of ~100 cycles of
-/// latency; independent vectors in flight overlap it. Amax and EncodeRow
-/// are one instruction set's functions; each path's wrapper inlines them
-/// (flatten) into its own target. EncodeRow is given each row's own scale
-/// (its amax / format_max), so every |x / scale| is at most format_max,
-/// rounded (int8_lanes_of_row_x8 and encode_e4m3_x16 rely on it), and
-/// whether the row is all finite.
+/// codes. One vector's amax -> scale -> codes is one long chain of latency;
+/// independent vectors in flight overlap it. Amax and EncodeRow are one
+/// instruction set's functions; each path's wrapper inlines them (flatten)
+/// into its own target. EncodeRow is given each row's own scale (its amax /
+/// format_max), so every |x / scale| is at most format_max, rounded
+/// (int8_lanes_of_row_x8 and encode_e4m3_x16 rely on it), and whether the row
+/// is all finite.
 template <KVFormat F, class T, RowAmax (*Amax)(const T*, int64_t),
           void (*EncodeRow)(const T*, int64_t, float, bool, typename Codec<F>::Code*)>
 inline void quantize_rows_grouped(const T* x, int64_t x_stride, int64_t count, int64_t n,
@@ -211,8 +211,8 @@ inline void quantize_rows_grouped(const T* x, int64_t x_stride, int64_t count, i
     float group_scales[kQuantizeGroup];
     bool all_finite[kQuantizeGroup];
     for (int64_t r = 0; r < rows; ++r) {
-      // The scale's division right after its amax, in this loop: in the next
-      // one its latency stood before each row's codes (+6 % on an int8 write).
+      // The scale's division right after its amax: in the codes loop it delayed
+      // every row's codes (bench/NOTES.md, "Encoders of a row with its own scale").
       const RowAmax amax = Amax(x + (first + r) * x_stride, n);
       group_scales[r] = scale_for(amax.amax, F);
       all_finite[r] = amax.all_finite;
@@ -252,9 +252,9 @@ inline c10::BFloat16 narrow_value<c10::BFloat16>(float x) noexcept {
 }
 
 // ---- the logical dtype <-> float32, per instruction set ----
-// c10::Half's own conversions are scalar bit manipulation (a few ns per
-// element: 50x a memcpy of the codes); F16C converts 8 or 16 at once, with
-// the same round to nearest even. bf16 is a shift (widening) and c10's
+// c10::Half's own conversions are scalar bit manipulation, many times a copy of
+// the codes (bench/NOTES.md, "The codecs, vectorised (Xeon, 2026-12-01)"); F16C
+// converts 8 or 16 at once, rounding alike. bf16 is a shift (widening) and c10's
 // integer round to nearest even (narrowing), which the compiler vectorises.
 
 /// out[i] = float(src[i]), contiguous src.

@@ -128,8 +128,8 @@ void write_sides_cpu(const PageTableRef<Index>& table,    // [B, max_pages]
 /// Dequantizes `tokens` tokens of every head of a page into a contiguous
 /// token-major [tokens, H, D] output of T (`stream`: cpu::quant::dequantize_row's).
 /// The page is read in memory order: on HND pages head by head (a head's
-/// tokens are adjacent there), which took HND fp8 / int8 gathers from
-/// 1.3-1.8x the time of NHD ones to the same (bench/NOTES.md, "HND pages
+/// tokens are adjacent there), which brought HND fp8 / int8 gathers from
+/// well behind NHD ones to their time (bench/NOTES.md, "HND pages
 /// dequantized in memory order").
 template <KVFormat F, class T>
 void dequantize_block(simd::Isa isa, const typename cpu::quant::Codec<F>::Code* codes, const float* scales,

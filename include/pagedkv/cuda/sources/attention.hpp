@@ -11,8 +11,8 @@
 //   them; pass 2 accumulates the values. One split writes the output;
 //   several write partial results (max, sum, accumulator) that
 //   attention_merge combines. Templated on everything its inner loops
-//   touch; each instantiation costs NVRTC about half a second, so there is
-//   one per (dtype, format, head_dim, head tile) and no more.
+//   touch; each instantiation is one more NVRTC compile (bench/NOTES.md,
+//   "CUDA"): one per (dtype, format, head_dim, head tile) and no more.
 // attention_prefill: any number of queries per sequence (chunked prefill;
 //   also decode when K and V have different formats), causal. A block takes
 //   a tile of query rows (queries x query heads of one kv head) and one
