@@ -7,11 +7,14 @@ CMAKE_ARGS ?=
 
 # Debian's libtorch multiplies through libblas.so.3, which the alternatives
 # point at the reference BLAS unless an optimized one is installed (about 25x
-# slower): every package list with libtorch-dev brings OpenBLAS, whose
-# pthread variant measured fastest here (bench/NOTES.md, "Debian's torch and
-# its BLAS"). libblas3, the reference one, is what the BLAS warning's tests
-# force (examples/CMakeLists.txt); installed beside OpenBLAS it stays unused.
-TORCH_BLAS_PACKAGES := libopenblas0-pthread
+# slower): every package list with libtorch-dev brings OpenBLAS. Its OpenMP
+# variant, because torch parallelises with OpenMP too: they share one thread
+# pool, where the pthread variant's own threads spin beside torch's and made
+# the examples several times slower on 2 cores (bench/NOTES.md, "Debian's
+# torch and its BLAS"). libblas3, the reference BLAS, is what the BLAS
+# warning's tests force (examples/CMakeLists.txt); beside OpenBLAS it stays
+# unused.
+TORCH_BLAS_PACKAGES := libopenblas0-openmp
 DEBIAN_PACKAGES := cmake g++ make libtorch-dev libgloo-dev googletest libgtest-dev libbenchmark-dev python3-torch \
                    nlohmann-json3-dev $(TORCH_BLAS_PACKAGES) libblas3
 

@@ -43,7 +43,7 @@ function(pagedkv_warn_if_reference_blas blas_file)
   get_filename_component(file_name "${blas_file}" NAME)
   if(dir_name STREQUAL "blas" AND file_name MATCHES "^libblas\\.so")
     message(WARNING "torch multiplies on the reference BLAS (${blas_file}), about 25x slower than OpenBLAS: "
-                    "apt-get install libopenblas0-pthread")
+                    "apt-get install libopenblas0-openmp")
   endif()
 endfunction()
 
