@@ -5,8 +5,18 @@ BUILD_TYPE ?= Release
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
+# Debian's libtorch multiplies through libblas.so.3, which the alternatives
+# point at the reference BLAS unless an optimized one is installed (about 25x
+# slower): every package list with libtorch-dev brings OpenBLAS. Its OpenMP
+# variant, because torch parallelises with OpenMP too: they share one thread
+# pool, where the pthread variant's own threads spin beside torch's and made
+# the examples several times slower on 2 cores (bench/NOTES.md, "Debian's
+# torch and its BLAS"). libblas3, the reference BLAS, is what the BLAS
+# warning's tests force (examples/CMakeLists.txt); beside OpenBLAS it stays
+# unused.
+TORCH_BLAS_PACKAGES := libopenblas0-openmp
 DEBIAN_PACKAGES := cmake g++ make libtorch-dev libgloo-dev googletest libgtest-dev libbenchmark-dev python3-torch \
-                   nlohmann-json3-dev
+                   nlohmann-json3-dev $(TORCH_BLAS_PACKAGES) libblas3
 
 .PHONY: deps configure build test example example-disaggregated bench clean test-sanitize fuzz lint test-torch2 \
         test-python test-python-debian test-python-torch2 bench-python
@@ -114,7 +124,7 @@ test-sanitize: deps
 # fuzz/corpus-safetensors/ and fuzz_requests (a request file) from
 # fuzz/corpus-requests/ (new inputs to fuzz/corpus-*-run/).
 FUZZ_SECONDS ?= 60
-FUZZ_PACKAGES := cmake make clang-14 libclang-rt-14-dev libtorch-dev nlohmann-json3-dev
+FUZZ_PACKAGES := cmake make clang-14 libclang-rt-14-dev libtorch-dev nlohmann-json3-dev $(TORCH_BLAS_PACKAGES)
 fuzz:
 	@./scripts/install-deps $(FUZZ_PACKAGES)
 	cmake -S fuzz -B build-fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo
@@ -136,7 +146,7 @@ fuzz:
 
 # The headers' layering, each header compiled alone, cppcheck and clang-tidy
 # over include/ (scripts/lint).
-LINT_PACKAGES := cppcheck clang-tidy-14 g++ python3 libtorch-dev
+LINT_PACKAGES := cppcheck clang-tidy-14 g++ python3 libtorch-dev $(TORCH_BLAS_PACKAGES)
 lint:
 	@./scripts/install-deps $(LINT_PACKAGES)
 	JOBS=$(JOBS) ./scripts/lint

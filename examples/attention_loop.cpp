@@ -39,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "blas_check.hpp"
 #include "pagedkv/pagedkv.hpp"
 
 namespace {
@@ -513,6 +514,7 @@ int run(const Options& o) {
 int main(int argc, char** argv) {
   Options o;
   if (!parse(argc, argv, o)) return 2;
+  examples::warn_if_reference_blas("attention_loop");
   try {
     return o.layout == "hnd" ? run<pagedkv::HND>(o) : run<pagedkv::NHD>(o);
   } catch (const c10::Error& e) {

@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "../blas_check.hpp"
 #include "checkpoint.hpp"
 #include "config.hpp"
 #include "errors.hpp"
@@ -337,6 +338,7 @@ int serve(const Options& o) {
 int main(int argc, char** argv) {
   try {
     const Options o = parse_flags(argc, argv);
+    if (o.device == "cpu") examples::warn_if_reference_blas("llama");
     return o.layout == "hnd" ? serve<pagedkv::HND>(o) : serve<pagedkv::NHD>(o);
   } catch (const llama::InputError& e) {
     std::fprintf(stderr, "llama: %s\n", e.what());
