@@ -67,13 +67,13 @@ std::vector<float> stored(const std::vector<float>& row, pagedkv::KVFormat forma
   for (size_t h = 0; h < row.size(); h += static_cast<size_t>(dim)) {
     float amax = 0.0f;
     for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(row[h + static_cast<size_t>(d)]));
-    const float scale = cpu::quant::scale_for(amax, format);
+    const float scale = quant::scale_for(amax, format);
     for (int64_t d = 0; d < dim; ++d) {
       const float x = row[h + static_cast<size_t>(d)];
       float value = 0.0f;
       if (scale > 0.0f) {
-        value = format == pagedkv::KVFormat::int8 ? cpu::quant::decode_int8(cpu::quant::encode_int8(x / scale)) * scale
-                                                  : cpu::quant::decode_e4m3(cpu::quant::encode_e4m3(x / scale)) * scale;
+        value = format == pagedkv::KVFormat::int8 ? quant::decode_int8(quant::encode_int8(x / scale)) * scale
+                                                  : quant::decode_e4m3(quant::encode_e4m3(x / scale)) * scale;
       }
       out[h + static_cast<size_t>(d)] = dtype == at::kHalf       ? static_cast<float>(c10::Half(value))
                                         : dtype == at::kBFloat16 ? static_cast<float>(c10::BFloat16(value))

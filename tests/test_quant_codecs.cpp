@@ -61,7 +61,7 @@ std::vector<float> random_floats(size_t n) {
   std::uniform_int_distribution<uint32_t> bits;
   std::normal_distribution<float> normal(0.0f, 200.0f);
   std::vector<float> out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = i % 2 == 0 ? cpu::quant::bits_float(bits(rng)) : normal(rng);
+  for (size_t i = 0; i < n; ++i) out[i] = i % 2 == 0 ? quant::bits_float(bits(rng)) : normal(rng);
   return out;
 }
 
@@ -69,7 +69,7 @@ TEST(Fp8E4m3, EveryCodeDecodesAsTheOcpFormatSays) {
   for (int c = 0; c < 256; ++c) {
     const auto code = static_cast<uint8_t>(c);
     const double expected = ocp_e4m3(code);
-    const float got = cpu::quant::decode_e4m3(code);
+    const float got = quant::decode_e4m3(code);
     if (std::isnan(expected)) {
       EXPECT_TRUE(std::isnan(got)) << "code " << c;
       continue;
@@ -77,69 +77,69 @@ TEST(Fp8E4m3, EveryCodeDecodesAsTheOcpFormatSays) {
     EXPECT_EQ(static_cast<double>(got), expected) << "code " << c;
     EXPECT_EQ(std::signbit(got), (c & 0x80) != 0) << "code " << c;
   }
-  EXPECT_EQ(cpu::quant::decode_e4m3(0x7E), 448.0f);
-  EXPECT_EQ(cpu::quant::decode_e4m3(0x01), 0x1p-9f);  // smallest subnormal
-  EXPECT_EQ(cpu::quant::decode_e4m3(0x08), 0x1p-6f);  // smallest normal
-  EXPECT_TRUE(std::signbit(cpu::quant::decode_e4m3(0x80)));
+  EXPECT_EQ(quant::decode_e4m3(0x7E), 448.0f);
+  EXPECT_EQ(quant::decode_e4m3(0x01), 0x1p-9f);  // smallest subnormal
+  EXPECT_EQ(quant::decode_e4m3(0x08), 0x1p-6f);  // smallest normal
+  EXPECT_TRUE(std::signbit(quant::decode_e4m3(0x80)));
 }
 
 TEST(Fp8E4m3, EncodeOfDecodeIsTheCode) {
   for (int c = 0; c < 256; ++c) {
     if ((c & 0x7F) == 0x7F) continue;  // NaN codes: never produced
-    EXPECT_EQ(cpu::quant::encode_e4m3(cpu::quant::decode_e4m3(static_cast<uint8_t>(c))), c) << "code " << c;
+    EXPECT_EQ(quant::encode_e4m3(quant::decode_e4m3(static_cast<uint8_t>(c))), c) << "code " << c;
   }
 }
 
 TEST(Fp8E4m3, TiesRoundToEven) {
-  EXPECT_EQ(cpu::quant::encode_e4m3(1.0625f), 0x38);   // between 1 (0x38) and 1.125 (0x39)
-  EXPECT_EQ(cpu::quant::encode_e4m3(1.1875f), 0x3A);   // between 1.125 (0x39) and 1.25 (0x3A)
-  EXPECT_EQ(cpu::quant::encode_e4m3(-1.0625f), 0xB8);
-  EXPECT_EQ(cpu::quant::encode_e4m3(15.5f), 0x58);     // between 15 (0x57) and 16 (0x58)
-  EXPECT_EQ(cpu::quant::encode_e4m3(0x1p-10f), 0x00);  // half the smallest subnormal: to 0
-  EXPECT_EQ(cpu::quant::encode_e4m3(3 * 0x1p-10f), 0x02);  // 1.5 subnormal steps: to 2
-  EXPECT_EQ(cpu::quant::encode_e4m3(15 * 0x1p-10f), 0x08);  // 7.5 steps: to the smallest normal
-  EXPECT_EQ(cpu::quant::encode_e4m3(std::nextafter(0x1p-10f, 1.0f)), 0x01);
+  EXPECT_EQ(quant::encode_e4m3(1.0625f), 0x38);   // between 1 (0x38) and 1.125 (0x39)
+  EXPECT_EQ(quant::encode_e4m3(1.1875f), 0x3A);   // between 1.125 (0x39) and 1.25 (0x3A)
+  EXPECT_EQ(quant::encode_e4m3(-1.0625f), 0xB8);
+  EXPECT_EQ(quant::encode_e4m3(15.5f), 0x58);     // between 15 (0x57) and 16 (0x58)
+  EXPECT_EQ(quant::encode_e4m3(0x1p-10f), 0x00);  // half the smallest subnormal: to 0
+  EXPECT_EQ(quant::encode_e4m3(3 * 0x1p-10f), 0x02);  // 1.5 subnormal steps: to 2
+  EXPECT_EQ(quant::encode_e4m3(15 * 0x1p-10f), 0x08);  // 7.5 steps: to the smallest normal
+  EXPECT_EQ(quant::encode_e4m3(std::nextafter(0x1p-10f, 1.0f)), 0x01);
 }
 
 TEST(Fp8E4m3, SaturatesAndNeverGivesNaN) {
   for (float y : {448.0f, 449.0f, 464.0f, 479.9f, 480.0f, 1e30f, std::numeric_limits<float>::infinity(),
                   std::numeric_limits<float>::max()}) {
-    EXPECT_EQ(cpu::quant::encode_e4m3(y), 0x7E) << y;
-    EXPECT_EQ(cpu::quant::encode_e4m3(-y), 0xFE) << -y;
+    EXPECT_EQ(quant::encode_e4m3(y), 0x7E) << y;
+    EXPECT_EQ(quant::encode_e4m3(-y), 0xFE) << -y;
   }
-  EXPECT_EQ(cpu::quant::encode_e4m3(std::numeric_limits<float>::quiet_NaN()), 0x00);
-  EXPECT_EQ(cpu::quant::encode_e4m3(-std::numeric_limits<float>::quiet_NaN()), 0x80);
-  EXPECT_EQ(cpu::quant::encode_e4m3(0.0f), 0x00);
-  EXPECT_EQ(cpu::quant::encode_e4m3(-0.0f), 0x80);
-  EXPECT_EQ(cpu::quant::encode_e4m3(-1e-30f), 0x80);  // underflow keeps the sign
-  EXPECT_EQ(cpu::quant::encode_e4m3(std::numeric_limits<float>::denorm_min()), 0x00);
+  EXPECT_EQ(quant::encode_e4m3(std::numeric_limits<float>::quiet_NaN()), 0x00);
+  EXPECT_EQ(quant::encode_e4m3(-std::numeric_limits<float>::quiet_NaN()), 0x80);
+  EXPECT_EQ(quant::encode_e4m3(0.0f), 0x00);
+  EXPECT_EQ(quant::encode_e4m3(-0.0f), 0x80);
+  EXPECT_EQ(quant::encode_e4m3(-1e-30f), 0x80);  // underflow keeps the sign
+  EXPECT_EQ(quant::encode_e4m3(std::numeric_limits<float>::denorm_min()), 0x00);
 }
 
 TEST(Fp8E4m3, EveryFp16InputRoundsToTheNearestCode) {
   for (const float y : every_fp16()) {
-    const uint8_t code = cpu::quant::encode_e4m3(y);
+    const uint8_t code = quant::encode_e4m3(y);
     ASSERT_EQ(code, nearest_e4m3(y)) << "y = " << y;
     ASSERT_NE(code & 0x7F, 0x7F) << "NaN code for y = " << y;
   }
 }
 
 TEST(Fp8E4m3, RandomFloatsRoundToTheNearestCode) {
-  for (const float y : random_floats(200000)) ASSERT_EQ(cpu::quant::encode_e4m3(y), nearest_e4m3(y)) << "y = " << y;
+  for (const float y : random_floats(200000)) ASSERT_EQ(quant::encode_e4m3(y), nearest_e4m3(y)) << "y = " << y;
 }
 
 TEST(Int8, RoundsHalfToEvenAndClamps) {
-  EXPECT_EQ(cpu::quant::encode_int8(0.5f), 0);
-  EXPECT_EQ(cpu::quant::encode_int8(1.5f), 2);
-  EXPECT_EQ(cpu::quant::encode_int8(2.5f), 2);
-  EXPECT_EQ(cpu::quant::encode_int8(-2.5f), -2);
-  EXPECT_EQ(cpu::quant::encode_int8(126.6f), 127);
-  EXPECT_EQ(cpu::quant::encode_int8(127.5f), 127);
-  EXPECT_EQ(cpu::quant::encode_int8(-200.0f), -127);
-  EXPECT_EQ(cpu::quant::encode_int8(std::numeric_limits<float>::infinity()), 127);
-  EXPECT_EQ(cpu::quant::encode_int8(-std::numeric_limits<float>::infinity()), -127);
-  EXPECT_EQ(cpu::quant::encode_int8(std::numeric_limits<float>::quiet_NaN()), 0);
+  EXPECT_EQ(quant::encode_int8(0.5f), 0);
+  EXPECT_EQ(quant::encode_int8(1.5f), 2);
+  EXPECT_EQ(quant::encode_int8(2.5f), 2);
+  EXPECT_EQ(quant::encode_int8(-2.5f), -2);
+  EXPECT_EQ(quant::encode_int8(126.6f), 127);
+  EXPECT_EQ(quant::encode_int8(127.5f), 127);
+  EXPECT_EQ(quant::encode_int8(-200.0f), -127);
+  EXPECT_EQ(quant::encode_int8(std::numeric_limits<float>::infinity()), 127);
+  EXPECT_EQ(quant::encode_int8(-std::numeric_limits<float>::infinity()), -127);
+  EXPECT_EQ(quant::encode_int8(std::numeric_limits<float>::quiet_NaN()), 0);
   for (int c = -127; c <= 127; ++c) {
-    EXPECT_EQ(cpu::quant::encode_int8(cpu::quant::decode_int8(static_cast<int8_t>(c))), c);
+    EXPECT_EQ(quant::encode_int8(quant::decode_int8(static_cast<int8_t>(c))), c);
   }
 }
 
@@ -148,8 +148,8 @@ TEST(QuantizeVector, AllZeroVectorHasScaleZeroAndZeroCodes) {
   std::vector<uint8_t> fp8(64, 0xAA);
   std::vector<int8_t> i8(64, 5);
   for (const Isa isa : pagedkv::simd::available_isas()) {
-    EXPECT_EQ(cpu::quant::quantize_vector<KVFormat::fp8_e4m3>(isa, zeros.data(), 64, fp8.data()), 0.0f);
-    EXPECT_EQ(cpu::quant::quantize_vector<KVFormat::int8>(isa, zeros.data(), 64, i8.data()), 0.0f);
+    EXPECT_EQ(quant::quantize_vector<KVFormat::fp8_e4m3>(isa, zeros.data(), 64, fp8.data()), 0.0f);
+    EXPECT_EQ(quant::quantize_vector<KVFormat::int8>(isa, zeros.data(), 64, i8.data()), 0.0f);
     for (int i = 0; i < 64; ++i) EXPECT_EQ(fp8[static_cast<size_t>(i)], 0);
     for (int i = 0; i < 64; ++i) EXPECT_EQ(i8[static_cast<size_t>(i)], 0);
   }
@@ -159,10 +159,10 @@ TEST(QuantizeVector, AmaxMapsOntoTheLargestCode) {
   const std::vector<float> x{0.5f, -3.0f, 1.25f, 2.0f};
   std::vector<uint8_t> fp8(4);
   std::vector<int8_t> i8(4);
-  const float s8 = cpu::quant::quantize_vector<KVFormat::fp8_e4m3>(Isa::portable, x.data(), 4, fp8.data());
+  const float s8 = quant::quantize_vector<KVFormat::fp8_e4m3>(Isa::portable, x.data(), 4, fp8.data());
   EXPECT_EQ(s8, 3.0f / 448.0f);
   EXPECT_EQ(fp8[1], 0xFE);
-  const float si = cpu::quant::quantize_vector<KVFormat::int8>(Isa::portable, x.data(), 4, i8.data());
+  const float si = quant::quantize_vector<KVFormat::int8>(Isa::portable, x.data(), 4, i8.data());
   EXPECT_EQ(si, 3.0f / 127.0f);
   EXPECT_EQ(i8[1], -127);
 }
@@ -171,20 +171,20 @@ TEST(QuantizeVector, AmaxMapsOntoTheLargestCode) {
 template <KVFormat F>
 void expect_paths_match_scalar(const std::vector<float>& x, float scale,
                                const std::vector<Isa>& isas = pagedkv::simd::available_isas()) {
-  using Code = typename cpu::quant::Codec<F>::Code;
+  using Code = typename quant::Codec<F>::Code;
   const auto n = static_cast<int64_t>(x.size());
   std::vector<Code> scalar(x.size());
-  for (size_t i = 0; i < x.size(); ++i) scalar[i] = cpu::quant::Codec<F>::encode(x[i] / scale);
+  for (size_t i = 0; i < x.size(); ++i) scalar[i] = quant::Codec<F>::encode(x[i] / scale);
   std::vector<float> decoded(x.size());
-  for (size_t i = 0; i < x.size(); ++i) decoded[i] = cpu::quant::Codec<F>::decode(scalar[i]) * scale;
+  for (size_t i = 0; i < x.size(); ++i) decoded[i] = quant::Codec<F>::decode(scalar[i]) * scale;
   for (const Isa isa : isas) {
     std::vector<Code> codes(x.size());
-    cpu::quant::encode_row<F>(isa, x.data(), n, scale, codes.data());
+    quant::encode_row<F>(isa, x.data(), n, scale, codes.data());
     std::vector<float> values(x.size());
-    cpu::quant::decode_row<F>(isa, codes.data(), n, scale, values.data());
+    quant::decode_row<F>(isa, codes.data(), n, scale, values.data());
     for (size_t i = 0; i < x.size(); ++i) {
       ASSERT_EQ(codes[i], scalar[i]) << pagedkv::simd::isa_name(isa) << " x = " << x[i];
-      ASSERT_EQ(cpu::quant::float_bits(values[i]), cpu::quant::float_bits(decoded[i]))
+      ASSERT_EQ(quant::float_bits(values[i]), quant::float_bits(decoded[i]))
           << pagedkv::simd::isa_name(isa) << " code " << static_cast<int>(codes[i]);
     }
   }
@@ -203,7 +203,7 @@ TEST(VectorPaths, BitIdenticalOnEveryFp16Input) {
 }
 
 // fp8's vector encoders (AVX-512 and AVX2) divide by scale / 2^8, exact
-// only for scales of 2^-118 and up (cpu::quant::e4m3_divisor_is_exact); below,
+// only for scales of 2^-118 and up (quant::e4m3_divisor_is_exact); below,
 // their rows take the scalar loop. Inputs scaled down with the scales, so
 // the codes still vary.
 TEST(VectorPaths, BitIdenticalAtScalesNearTwoToTheMinus118) {
@@ -225,7 +225,7 @@ TEST(VectorPaths, BitIdenticalOnTenMillionRandomFloats) {
 /// order, then the scalar encode of x / scale), over vectors of awkward lengths.
 template <KVFormat F>
 void expect_quantize_matches_scalar(const std::vector<Isa>& isas) {
-  using Code = typename cpu::quant::Codec<F>::Code;
+  using Code = typename quant::Codec<F>::Code;
   const std::vector<float> x = random_floats(1 << 16);
   for (const int64_t n : {1, 7, 8, 9, 15, 16, 17, 64, 128, 131}) {
     for (size_t start = 0; start + static_cast<size_t>(n) <= x.size(); start += 4099) {
@@ -235,15 +235,15 @@ void expect_quantize_matches_scalar(const std::vector<Isa>& isas) {
         const float a = std::fabs(x[start + static_cast<size_t>(i)]);
         amax = a > amax ? a : amax;
       }
-      const float scale = cpu::quant::scale_for(amax, F);
+      const float scale = quant::scale_for(amax, F);
       for (int64_t i = 0; i < n; ++i) {
         want[static_cast<size_t>(i)] =
-            scale > 0.0f ? cpu::quant::Codec<F>::encode(x[start + static_cast<size_t>(i)] / scale) : Code{0};
+            scale > 0.0f ? quant::Codec<F>::encode(x[start + static_cast<size_t>(i)] / scale) : Code{0};
       }
       for (const Isa isa : isas) {
         std::vector<Code> got(static_cast<size_t>(n));
-        const float s = cpu::quant::quantize_vector<F>(isa, x.data() + start, n, got.data());
-        ASSERT_EQ(cpu::quant::float_bits(s), cpu::quant::float_bits(scale)) << pagedkv::simd::isa_name(isa);
+        const float s = quant::quantize_vector<F>(isa, x.data() + start, n, got.data());
+        ASSERT_EQ(quant::float_bits(s), quant::float_bits(scale)) << pagedkv::simd::isa_name(isa);
         ASSERT_EQ(got, want) << pagedkv::simd::isa_name(isa) << " n " << n;
       }
     }
@@ -260,7 +260,7 @@ TEST(VectorPaths, QuantizeVectorAgreesOnEveryPath) {
 /// scalar reference on the widened floats, codes and scales bit for bit.
 template <KVFormat F, class T>
 void expect_rows_from_dtype_match_scalar(const std::vector<Isa>& isas) {
-  using Code = typename cpu::quant::Codec<F>::Code;
+  using Code = typename quant::Codec<F>::Code;
   std::vector<T> every(1 << 16);
   for (uint32_t bits = 0; bits <= 0xFFFF; ++bits) every[bits] = T(static_cast<uint16_t>(bits), T::from_bits());
   for (const int64_t n : {7, 16, 24, 128, 131}) {
@@ -275,16 +275,16 @@ void expect_rows_from_dtype_match_scalar(const std::vector<Isa>& isas) {
           std::vector<float> widened(static_cast<size_t>(n));
           for (int64_t i = 0; i < n; ++i) widened[static_cast<size_t>(i)] = static_cast<float>(x[r * x_stride + i]);
           want_scales[static_cast<size_t>(r * scale_stride)] =
-              cpu::quant::quantize_loop<F>(widened.data(), n, want.data() + r * out_stride);
+              quant::quantize_loop<F>(widened.data(), n, want.data() + r * out_stride);
         }
         for (const Isa isa : isas) {
           std::vector<Code> got(want.size(), Code{1});
           std::vector<float> got_scales(want_scales.size(), -1.0f);
-          cpu::quant::quantize_rows<F>(isa, x, x_stride, count, n, got.data(), out_stride, got_scales.data(), scale_stride);
+          quant::quantize_rows<F>(isa, x, x_stride, count, n, got.data(), out_stride, got_scales.data(), scale_stride);
           ASSERT_EQ(got, want) << pagedkv::simd::isa_name(isa) << " n " << n << " count " << count
                                << " first " << first;
           for (size_t i = 0; i < got_scales.size(); ++i)
-            ASSERT_EQ(cpu::quant::float_bits(got_scales[i]), cpu::quant::float_bits(want_scales[i]))
+            ASSERT_EQ(quant::float_bits(got_scales[i]), quant::float_bits(want_scales[i]))
                 << pagedkv::simd::isa_name(isa) << " n " << n << " count " << count;
         }
       }
@@ -310,17 +310,17 @@ void expect_every_code_decodes_identically(const std::vector<Isa>& isas) {
   }
   for (const Isa isa : isas) {
     std::vector<float> out(256);
-    cpu::quant::decode_row<KVFormat::fp8_e4m3>(isa, fp8.data(), 256, 1.0f, out.data());
+    quant::decode_row<KVFormat::fp8_e4m3>(isa, fp8.data(), 256, 1.0f, out.data());
     for (int c = 0; c < 256; ++c) {
-      const float want = cpu::quant::decode_e4m3(static_cast<uint8_t>(c));
+      const float want = quant::decode_e4m3(static_cast<uint8_t>(c));
       if (std::isnan(want)) {
         EXPECT_TRUE(std::isnan(out[static_cast<size_t>(c)])) << pagedkv::simd::isa_name(isa);
       } else {
-        EXPECT_EQ(cpu::quant::float_bits(out[static_cast<size_t>(c)]), cpu::quant::float_bits(want))
+        EXPECT_EQ(quant::float_bits(out[static_cast<size_t>(c)]), quant::float_bits(want))
             << pagedkv::simd::isa_name(isa) << " code " << c;
       }
     }
-    cpu::quant::decode_row<KVFormat::int8>(isa, i8.data(), 256, 1.0f, out.data());
+    quant::decode_row<KVFormat::int8>(isa, i8.data(), 256, 1.0f, out.data());
     for (int c = 0; c < 256; ++c)
       EXPECT_EQ(out[static_cast<size_t>(c)], static_cast<float>(i8[static_cast<size_t>(c)]))
           << pagedkv::simd::isa_name(isa) << " code " << c;
@@ -331,7 +331,7 @@ void expect_every_code_decodes_identically(const std::vector<Isa>& isas) {
 /// path, bit for bit, for every code, into T, at scales that round, underflow and overflow.
 template <KVFormat F, class T>
 void expect_dequantize_matches_decode_then_narrow() {
-  using Code = typename cpu::quant::Codec<F>::Code;
+  using Code = typename quant::Codec<F>::Code;
   std::vector<Code> codes;
   for (int rep = 0; rep < 3; ++rep)
     for (int c = 0; c < 256; ++c) codes.push_back(static_cast<Code>(static_cast<uint8_t>(c * 37 + rep)));
@@ -340,12 +340,12 @@ void expect_dequantize_matches_decode_then_narrow() {
     // 3e37: fp8 scale x 2^8 overflows (the vector paths fall back to the scalar loop).
     for (const float scale : {1.0f, 0.37f, 3e-3f, 1e-40f, 1e30f, 3e37f, 0.0f, 1.00390625f, 1.01171875f}) {
       std::vector<float> buf(static_cast<size_t>(n));
-      cpu::quant::decode_row<F>(Isa::portable, codes.data(), n, scale, buf.data());
+      quant::decode_row<F>(Isa::portable, codes.data(), n, scale, buf.data());
       std::vector<T> want(static_cast<size_t>(n));
-      cpu::quant::narrow_row<T>(Isa::portable, buf.data(), n, want.data());
+      quant::narrow_row<T>(Isa::portable, buf.data(), n, want.data());
       for (const Isa isa : pagedkv::simd::available_isas()) {
         std::vector<T> got(static_cast<size_t>(n));
-        cpu::quant::dequantize_row<F>(isa, codes.data(), n, scale, got.data(), buf.data());
+        quant::dequantize_row<F>(isa, codes.data(), n, scale, got.data(), buf.data());
         for (int64_t i = 0; i < n; ++i) {
           const float w = static_cast<float>(want[static_cast<size_t>(i)]);
           const float o = static_cast<float>(got[static_cast<size_t>(i)]);
@@ -353,7 +353,7 @@ void expect_dequantize_matches_decode_then_narrow() {
             ASSERT_TRUE(std::isnan(o)) << pagedkv::simd::isa_name(isa);
             continue;
           }
-          ASSERT_EQ(cpu::quant::float_bits(o), cpu::quant::float_bits(w))
+          ASSERT_EQ(quant::float_bits(o), quant::float_bits(w))
               << pagedkv::simd::isa_name(isa) << " code " << static_cast<int>(codes[static_cast<size_t>(i)])
               << " scale " << scale;
         }
@@ -370,7 +370,7 @@ void expect_dequantize_matches_decode_then_narrow() {
 /// row to the widening loop.
 template <KVFormat F, class T>
 void expect_random_rows_match_scalar(const std::vector<Isa>& isas) {
-  using Code = typename cpu::quant::Codec<F>::Code;
+  using Code = typename quant::Codec<F>::Code;
   const uint16_t infinity = std::is_same<T, c10::Half>::value ? 0x7C00 : 0x7F80;
   std::mt19937 rng(29);
   const auto finite_bits = [&] {
@@ -397,12 +397,12 @@ void expect_random_rows_match_scalar(const std::vector<Isa>& isas) {
         std::vector<float> widened(x.size());
         for (size_t i = 0; i < x.size(); ++i) widened[i] = static_cast<float>(x[i]);
         std::vector<Code> want(x.size());
-        const float want_scale = cpu::quant::quantize_loop<F>(widened.data(), n, want.data());
+        const float want_scale = quant::quantize_loop<F>(widened.data(), n, want.data());
         for (const Isa isa : isas) {
           std::vector<Code> got(x.size(), Code{1});
           float got_scale = -1.0f;
-          cpu::quant::quantize_rows<F>(isa, x.data(), n, 1, n, got.data(), n, &got_scale, 1);
-          ASSERT_EQ(cpu::quant::float_bits(got_scale), cpu::quant::float_bits(want_scale))
+          quant::quantize_rows<F>(isa, x.data(), n, 1, n, got.data(), n, &got_scale, 1);
+          ASSERT_EQ(quant::float_bits(got_scale), quant::float_bits(want_scale))
               << pagedkv::simd::isa_name(isa) << " n " << n << " kind " << kind << " trial " << trial;
           ASSERT_EQ(got, want) << pagedkv::simd::isa_name(isa) << " n " << n << " kind " << kind;
         }
@@ -420,7 +420,7 @@ TEST(VectorPaths, QuantizeRowsOfRandomFp16AndBf16BitsAgreeOnEveryPath) {
 }
 
 // AVX-512 int8 rows whose scale lies in [2^-100, 2^100]
-// (cpu::quant::int8_quotient_by_reciprocal_is_exact) divide by multiplying with
+// (quant::int8_quotient_by_reciprocal_is_exact) divide by multiplying with
 // the reciprocal and one correction (Markstein); others divide. Rows of
 // every fp16 value, scaled so that their scales sit on either side of both
 // bounds and far outside them (2^-140 is a subnormal scale, whose
@@ -434,15 +434,15 @@ TEST(VectorPaths, Int8RowsAtAndBeyondTheBoundsOfTheReciprocalPath) {
   for (const float target : {0x1p-140f, 0x1p-125f, 0x1p-110f, 0.999f * 0x1p-100f, 0x1p-100f, 1.001f * 0x1p-100f, 0.37f,
                              0.999f * 0x1p100f, 0x1p100f, 1.001f * 0x1p100f, 0x1p120f}) {
     std::vector<float> x(every);
-    const float amax = target * cpu::quant::kInt8Max;
+    const float amax = target * quant::kInt8Max;
     for (float& v : x) v *= amax;
     std::vector<int8_t> want(x.size());
-    const float want_scale = cpu::quant::quantize_loop<KVFormat::int8>(x.data(), n, want.data());
+    const float want_scale = quant::quantize_loop<KVFormat::int8>(x.data(), n, want.data());
     for (const Isa isa : pagedkv::simd::available_isas()) {
       std::vector<int8_t> got(x.size(), int8_t{1});
       float got_scale = -1.0f;
-      cpu::quant::quantize_rows<KVFormat::int8>(isa, x.data(), n, 1, n, got.data(), n, &got_scale, 1);
-      ASSERT_EQ(cpu::quant::float_bits(got_scale), cpu::quant::float_bits(want_scale))
+      quant::quantize_rows<KVFormat::int8>(isa, x.data(), n, 1, n, got.data(), n, &got_scale, 1);
+      ASSERT_EQ(quant::float_bits(got_scale), quant::float_bits(want_scale))
           << pagedkv::simd::isa_name(isa) << " target scale " << target;
       ASSERT_EQ(got, want) << pagedkv::simd::isa_name(isa) << " target scale " << target;
     }
@@ -504,16 +504,16 @@ void expect_conversions_match_c10(const std::vector<float>& x) {
   for (size_t i = 0; i < x.size(); ++i) widened_want[i] = static_cast<float>(want[i]);
   for (const Isa isa : pagedkv::simd::available_isas()) {
     std::vector<T> narrowed(x.size());
-    cpu::quant::narrow_row<T>(isa, x.data(), n, narrowed.data());
+    quant::narrow_row<T>(isa, x.data(), n, narrowed.data());
     std::vector<float> widened(x.size());
-    cpu::quant::widen_row<T>(isa, want.data(), n, widened.data());
+    quant::widen_row<T>(isa, want.data(), n, widened.data());
     for (size_t i = 0; i < x.size(); ++i) {
       if (std::isnan(x[i])) {  // F16C keeps a NaN's payload bits, c10 does not: NaN either way
         ASSERT_TRUE(std::isnan(static_cast<float>(narrowed[i]))) << pagedkv::simd::isa_name(isa);
         continue;
       }
       ASSERT_EQ(narrowed[i].x, want[i].x) << pagedkv::simd::isa_name(isa) << " x = " << x[i];
-      ASSERT_EQ(cpu::quant::float_bits(widened[i]), cpu::quant::float_bits(widened_want[i]))
+      ASSERT_EQ(quant::float_bits(widened[i]), quant::float_bits(widened_want[i]))
           << pagedkv::simd::isa_name(isa) << " bits " << want[i].x;
     }
   }

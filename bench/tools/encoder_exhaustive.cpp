@@ -1,4 +1,4 @@
-// Checks the vector encoders (AVX-512: cpu::quant::encode_e4m3_x16,
+// Checks the vector encoders (AVX-512: quant::encode_e4m3_x16,
 // encode_int8_x16; AVX2: encode_e4m3_x8, encode_int8_x8 with their byte
 // packing and, for int8, without_nan_codes) against the scalar ones
 // (encode_e4m3, encode_int8) on every one of the 2^32 float32 bit patterns:
@@ -61,22 +61,22 @@ void compare(const char* what, const float* y, const Code* got, Code (*want)(flo
 
 /// Whether y is in the kFiniteRow encoders' domain: finite, |y| <= 448 (1 + 2^-23).
 bool in_finite_row_domain(float y) {
-  return std::fabs(y) <= std::nextafter(cpu::quant::kFp8Max, std::numeric_limits<float>::infinity());
+  return std::fabs(y) <= std::nextafter(quant::kFp8Max, std::numeric_limits<float>::infinity());
 }
 
 /// compare() on the lanes in_finite_row_domain.
 void compare_finite_row(const char* what, const float* y, const uint8_t* got, int64_t& mismatches) {
   for (int l = 0; l < 16; ++l) {
     if (!in_finite_row_domain(y[l])) continue;
-    if (got[l] != cpu::quant::encode_e4m3(y[l]) && mismatches++ < 4) {
+    if (got[l] != quant::encode_e4m3(y[l]) && mismatches++ < 4) {
       std::printf("%s mismatch: y = %a, vector %d, scalar %d\n", what, static_cast<double>(y[l]),
-                  static_cast<int>(got[l]), static_cast<int>(cpu::quant::encode_e4m3(y[l])));
+                  static_cast<int>(got[l]), static_cast<int>(quant::encode_e4m3(y[l])));
     }
   }
 }
 
 /// Checks the bit patterns [first, last), 16 at a time. The fp8 encoders
-/// take y x 2^8 (cpu::quant::kE4m3EncodeFactor), as encode_avx512 / encode_avx2 hand it over.
+/// take y x 2^8 (quant::kE4m3EncodeFactor), as encode_avx512 / encode_avx2 hand it over.
 PAGEDKV_TARGET_AVX512 void check_range(uint64_t first, uint64_t last) {
   alignas(64) float y[16];
   alignas(16) uint8_t fp8[16];
@@ -90,29 +90,29 @@ PAGEDKV_TARGET_AVX512 void check_range(uint64_t first, uint64_t last) {
     }
     const __m512 v = _mm512_load_ps(y);
     _mm_store_si128(reinterpret_cast<__m128i*>(fp8),
-                    cpu::quant::encode_e4m3_x16(_mm512_mul_ps(v, _mm512_set1_ps(cpu::quant::kE4m3EncodeFactor))));
-    _mm_store_si128(reinterpret_cast<__m128i*>(int8), cpu::quant::encode_int8_x16(v));
-    compare<uint8_t>("avx512 fp8", y, fp8, cpu::quant::encode_e4m3, fp8_bad);
-    compare<int8_t>("avx512 int8", y, int8, cpu::quant::encode_int8, int8_bad);
+                    quant::encode_e4m3_x16(_mm512_mul_ps(v, _mm512_set1_ps(quant::kE4m3EncodeFactor))));
+    _mm_store_si128(reinterpret_cast<__m128i*>(int8), quant::encode_int8_x16(v));
+    compare<uint8_t>("avx512 fp8", y, fp8, quant::encode_e4m3, fp8_bad);
+    compare<int8_t>("avx512 int8", y, int8, quant::encode_int8, int8_bad);
     for (int half = 0; half < 2; ++half) {
       const __m256 v8 = _mm256_load_ps(y + 8 * half);
-      const __m256 scaled = _mm256_mul_ps(v8, _mm256_set1_ps(cpu::quant::kE4m3EncodeFactor));
+      const __m256 scaled = _mm256_mul_ps(v8, _mm256_set1_ps(quant::kE4m3EncodeFactor));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(fp8 + 8 * half),
-                       cpu::quant::narrow_epi32_epi8_x8<false>(cpu::quant::encode_e4m3_x8(scaled)));
+                       quant::narrow_epi32_epi8_x8<false>(quant::encode_e4m3_x8(scaled)));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(int8 + 8 * half),
-                       cpu::quant::without_nan_codes<pagedkv::KVFormat::int8>(
-                           cpu::quant::narrow_epi32_epi8_x8<true>(cpu::quant::encode_int8_x8(v8))));
+                       quant::without_nan_codes<pagedkv::KVFormat::int8>(
+                           quant::narrow_epi32_epi8_x8<true>(quant::encode_int8_x8(v8))));
     }
-    compare<uint8_t>("avx2 fp8", y, fp8, cpu::quant::encode_e4m3, avx2_fp8_bad);
-    compare<int8_t>("avx2 int8", y, int8, cpu::quant::encode_int8, avx2_int8_bad);
+    compare<uint8_t>("avx2 fp8", y, fp8, quant::encode_e4m3, avx2_fp8_bad);
+    compare<int8_t>("avx2 int8", y, int8, quant::encode_int8, avx2_int8_bad);
     _mm_store_si128(reinterpret_cast<__m128i*>(fp8),
-                    cpu::quant::encode_e4m3_x16<true>(_mm512_mul_ps(v, _mm512_set1_ps(cpu::quant::kE4m3EncodeFactor))));
+                    quant::encode_e4m3_x16<true>(_mm512_mul_ps(v, _mm512_set1_ps(quant::kE4m3EncodeFactor))));
     for (int l = 0; l < 16; ++l) finite_row_seen += in_finite_row_domain(y[l]) ? 1 : 0;
     compare_finite_row("avx512 finite-row fp8", y, fp8, finite_row_bad);
     for (int half = 0; half < 2; ++half) {
-      const __m256 scaled = _mm256_mul_ps(_mm256_load_ps(y + 8 * half), _mm256_set1_ps(cpu::quant::kE4m3EncodeFactor));
+      const __m256 scaled = _mm256_mul_ps(_mm256_load_ps(y + 8 * half), _mm256_set1_ps(quant::kE4m3EncodeFactor));
       _mm_storel_epi64(reinterpret_cast<__m128i*>(fp8 + 8 * half),
-                       cpu::quant::narrow_epi32_epi8_x8<false>(cpu::quant::encode_e4m3_x8<true>(scaled)));
+                       quant::narrow_epi32_epi8_x8<false>(quant::encode_e4m3_x8<true>(scaled)));
     }
     compare_finite_row("avx2 finite-row fp8", y, fp8, avx2_finite_row_bad);
     if ((base & 0xFFFFFFu) == 0) done += 1 << 24;

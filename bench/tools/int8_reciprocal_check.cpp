@@ -1,11 +1,11 @@
 // Checks the int8 encoders that divide by multiplying with the reciprocal
-// (cpu::quant::encode_int8_of_row_avx512 and encode_int8_of_row_avx2, which
+// (quant::encode_int8_of_row_avx512 and encode_int8_of_row_avx2, which
 // quantize_rows uses for a row's own scale in [2^-100, 2^100]) against the
 // division they replace, on many scales:
 // - quotients: Markstein's y0 + (x - y0 * s) * r, r = 1 / s rounded, as
 //   those encoders compute it, against x / s bit for bit, for every fp16
 //   value and 2^20 random float32 bit patterns, wherever |x| >= 2^-103
-//   (the remainder is exact: cpu::quant::int8_quotient_by_reciprocal_is_exact)
+//   (the remainder is exact: quant::int8_quotient_by_reciprocal_is_exact)
 //   and 2^-30 <= |x / s| <= 128 (below, every quotient rounds to the code 0
 //   either way; above, no row's x lies: |x| <= amax = 127 s);
 // - codes: each encoder's codes against the scalar encode_int8(x / s) on
@@ -69,10 +69,10 @@ PAGEDKV_TARGET_AVX512 int64_t quotient_mismatches(const float* x,  // [n], n % 1
 int64_t code_mismatches(const std::vector<float>& x, float s, std::vector<int8_t>& codes) {
   const auto n = static_cast<int64_t>(x.size());
   int64_t mismatches = 0;
-  cpu::quant::encode_int8_of_row_avx512(x.data(), n, s, codes.data());
-  for (int64_t i = 0; i < n; ++i) mismatches += codes[i] != cpu::quant::encode_int8(x[i] / s);
-  cpu::quant::encode_int8_of_row_avx2(x.data(), n, s, codes.data());
-  for (int64_t i = 0; i < n; ++i) mismatches += codes[i] != cpu::quant::encode_int8(x[i] / s);
+  quant::encode_int8_of_row_avx512(x.data(), n, s, codes.data());
+  for (int64_t i = 0; i < n; ++i) mismatches += codes[i] != quant::encode_int8(x[i] / s);
+  quant::encode_int8_of_row_avx2(x.data(), n, s, codes.data());
+  for (int64_t i = 0; i < n; ++i) mismatches += codes[i] != quant::encode_int8(x[i] / s);
   return mismatches;
 }
 
@@ -97,9 +97,9 @@ int main(int argc, char** argv) {
     if (!std::isinf(v)) unit.push_back(v / 65504.0f);
   }
   for (int i = 0; i < (1 << 20); ++i) {
-    const float f = cpu::quant::bits_float(rng());
+    const float f = quant::bits_float(rng());
     if (std::isfinite(f)) quotient_inputs.push_back(f);
-    const float u = cpu::quant::bits_float((rng() & 0x807FFFFFu) | ((rng() % 127u) << 23));  // |u| < 1, any exponent
+    const float u = quant::bits_float((rng() & 0x807FFFFFu) | ((rng() % 127u) << 23));  // |u| < 1, any exponent
     unit.push_back(u);
   }
   while (quotient_inputs.size() % 16 != 0) quotient_inputs.push_back(1.0f);
@@ -110,17 +110,17 @@ int main(int argc, char** argv) {
   for (int64_t k = 0; k < n_scales; ++k) {
     uint32_t significand = k % 4 == 0 ? 0x7FFFFFu : k % 4 == 1 ? 0u : (rng() & 0x7FFFFFu);
     uint32_t exponent = 127u - 100u + static_cast<uint32_t>(k / 4 % 200);  // 2^-100 .. 2^99
-    float s = cpu::quant::bits_float((exponent << 23) | significand);
+    float s = quant::bits_float((exponent << 23) | significand);
     if (k == 0) s = 0x1p-100f;
     if (k == 1) s = 0x1p100f;
-    if (!cpu::quant::int8_quotient_by_reciprocal_is_exact(s)) {
+    if (!quant::int8_quotient_by_reciprocal_is_exact(s)) {
       std::fprintf(stderr, "scale %a is outside the reciprocal path\n", static_cast<double>(s));
       return 1;
     }
     quotient_bad +=
         quotient_mismatches(quotient_inputs.data(), static_cast<int64_t>(quotient_inputs.size()), s, quotients);
     if (k % 16 == 0) {  // codes: every 16th scale (a scalar loop per code)
-      for (size_t i = 0; i < unit.size(); ++i) row[i] = unit[i] * (cpu::quant::kInt8Max * s);
+      for (size_t i = 0; i < unit.size(); ++i) row[i] = unit[i] * (quant::kInt8Max * s);
       code_bad += code_mismatches(row, s, codes);
       checked_codes += 2 * static_cast<int64_t>(row.size());
     }
