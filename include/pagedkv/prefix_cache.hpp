@@ -41,24 +41,53 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <functional>
 #include <limits>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "pagedkv/checks.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_reclaimer.hpp"
+#include "pagedkv/page_store.hpp"
 #include "pagedkv/prefix_hash.hpp"
 #include "pagedkv/sequences.hpp"
 
 namespace pagedkv {
 
+/// One tier's counts (PrefixStats::tiers).
+struct PrefixTierStats {
+  std::string tier;      // PageStore::tier()
+  int64_t hit_tokens;    // tokens acquire loaded from this tier (included in PrefixStats::hit_tokens)
+  int64_t loaded_pages;  // pages acquire loaded from this tier
+  int64_t stored_pages;  // pages this tier took: evicted from the device, or pushed out of the tier above
+};
+
 struct PrefixStats {
   int64_t lookups;         // acquire calls that succeeded
   int64_t query_tokens;    // tokens offered to those calls (after the max_tokens cap)
-  int64_t hit_tokens;      // tokens they got from the cache
+  int64_t hit_tokens;      // tokens they got from the cache (the device and every tier)
   int64_t inserted_pages;  // pages newly registered by insert
   int64_t evicted_pages;   // cached pages freed by eviction
+  std::vector<PrefixTierStats> tiers;  // one per tier, fastest first; the device's hits are hit_tokens less theirs
+};
+
+/// A change of what a tier holds, for routers that place requests where
+/// their prefix is (set_event_listener).
+struct PrefixEvent {
+  enum class Type {
+    stored,   // the tier now holds the page
+    removed,  // the tier no longer holds the page
+    cleared,  // the tier holds no page at all (after clear() emptied the device)
+  };
+  Type type;
+  uint64_t hash;         // the page's chained hash (prefix_hash: salt seed, then every page's tokens); 0 for cleared
+  uint64_t parent_hash;  // the previous page's chained hash; 0 for a prompt's first page and for cleared
+  int64_t n_tokens;      // tokens from position 0 to the page's end; 0 for cleared
+  std::string tier;      // "device", or the store's PageStore::tier(): "host", "disk", "remote"
 };
 
 /// The hash that picks a page's candidates: seed (the salt's seed for a
@@ -68,10 +97,18 @@ using PrefixPageHash = uint64_t (*)(uint64_t seed, const int64_t* tokens, int64_
 template <class Layout = NHD>
 class PrefixCache final : private PageReclaimer {
  public:
-  explicit PrefixCache(SequenceTable<Layout>& seqs)
+  explicit PrefixCache(SequenceTable<Layout>& seqs) : PrefixCache(seqs, std::vector<std::shared_ptr<PageStore>>{}) {}
+
+  /// With tiers below the pool, fastest first (page_store.hpp): evicted
+  /// pages go down to tiers[0], and acquire continues a device match
+  /// through them. The stores may be shared with other caches.
+  PrefixCache(SequenceTable<Layout>& seqs, std::vector<std::shared_ptr<PageStore>> tiers)
       : seqs_(&seqs),
         page_size_(seqs.cache().page_size()),
-        node_of_page_(static_cast<size_t>(seqs.cache().n_pages()), kNone) {
+        node_of_page_(static_cast<size_t>(seqs.cache().n_pages()), kNone),
+        tiers_(checked_tiers(std::move(tiers))),
+        geometry_(page_entry::Geometry::of(seqs.cache())) {
+    for (const auto& t : tiers_) stats_.tiers.push_back(PrefixTierStats{t->tier(), 0, 0, 0});
     TORCH_CHECK(seqs.reclaimer_ == nullptr, "pagedkv::PrefixCache<", Layout::name,
                 ">: argument 'seqs' expected a table without a prefix cache, got one that already has one");
     grow_index(16);
@@ -106,27 +143,51 @@ class PrefixCache final : private PageReclaimer {
     const checks::Caller caller{"PrefixCache", Layout::name, "acquire"};
     const at::Tensor ids = token_ids(caller, tokens);
     const int64_t cap = capped(caller, ids, max_tokens);
+    const int64_t* data = ids.data_ptr<int64_t>();
     std::vector<int32_t> chain;
-    const int64_t n_matched = match(ids.data_ptr<int64_t>(), cap / page_size_, salt, &chain);
-    std::vector<int64_t> pages(static_cast<size_t>(n_matched));
+    const int64_t n_device = match(data, cap / page_size_, salt, &chain);
+    // Tier entries are read and verified before anything changes; a store's
+    // failure is a miss there, never an exception here.
+    std::vector<TierHit> hits;
+    if (!tiers_.empty() && n_device < cap / page_size_) hits = find_in_tiers(data, cap / page_size_, salt, chain);
+    std::vector<int64_t> pages(static_cast<size_t>(n_device));
     for (size_t j = 0; j < chain.size(); ++j) pages[j] = nodes_[static_cast<size_t>(chain[j])].page;
     PagePool& pool = this->pool();
+    reserve_nodes(static_cast<int64_t>(hits.size()));  // may throw std::bad_alloc: nothing changed yet
+    pages.reserve(pages.size() + hits.size());
+    chain.reserve(chain.size() + hits.size());
     pool.retain_all(pages);  // all or nothing (throws at the ref_count limit)
+    // Held, the device match cannot be evicted to make room for the loaded pages.
+    for (const int32_t x : chain) set_held(x, true);
+    if (!hits.empty()) load_hits(hits, salt, data, chain, pages);
     int64_t seq = -1;
     try {
-      seq = seqs_->adopt(pages, n_matched * page_size_);
+      seq = seqs_->adopt(pages, static_cast<int64_t>(pages.size()) * page_size_);
     } catch (...) {
+      // Loaded pages stay cached (valid K/V); the sequence's references go.
       pool.free_all(pages);
+      for (const int32_t x : chain) {
+        if (pool.ref_count(nodes_[static_cast<size_t>(x)].page) == 1) set_held(x, false);
+      }
       throw;
     }
     // From here on nothing throws.
-    for (const int32_t x : chain) set_held(x, true);
+    const int64_t n_matched = static_cast<int64_t>(pages.size());
     touch(chain);
     ++stats_.lookups;
     stats_.query_tokens += cap;
     stats_.hit_tokens += n_matched * page_size_;
     return {seq, n_matched * page_size_};
   }
+
+  /// Calls `listener` on every change of what the device or a tier holds
+  /// (PrefixEvent), synchronously, from the call that makes it; an empty
+  /// function stops the events. A listener that throws is warned about and
+  /// ignored.
+  void set_event_listener(std::function<void(const PrefixEvent&)> listener) { listener_ = std::move(listener); }
+
+  /// The tiers, fastest first.
+  const std::vector<std::shared_ptr<PageStore>>& tiers() const noexcept { return tiers_; }
 
   /// Registers the full pages sequence `seq` has written (pages before
   /// length(seq) / page_size) under `tokens` (at least length(seq) of them)
@@ -177,6 +238,7 @@ class PrefixCache final : private PageReclaimer {
       if (x != kNone) continue;
       x = add_node(held[static_cast<size_t>(j)], j == 0 ? kNone : chain[static_cast<size_t>(j - 1)], salt,
                    hashes[static_cast<size_t>(j)], data + j * page_size_);
+      if (listener_) emit(PrefixEvent::Type::stored, x, kDevice);
     }
     touch(chain);
     stats_.inserted_pages += n_fresh;
@@ -190,8 +252,12 @@ class PrefixCache final : private PageReclaimer {
     return evict_lru(n_pages);
   }
 
-  /// Frees every evictable page, repeatedly, until none is left.
-  void clear() { evict_lru(std::numeric_limits<int64_t>::max()); }
+  /// Frees every evictable page, repeatedly, until none is left (each goes
+  /// down to the tiers as any evicted page does).
+  void clear() {
+    evict_lru(std::numeric_limits<int64_t>::max());
+    if (n_live_ == 0 && listener_) notify(PrefixEvent{PrefixEvent::Type::cleared, 0, 0, 0, kDevice});
+  }
 
   /// Pages the cache holds a reference on.
   int64_t n_cached() const noexcept { return n_live_; }
@@ -200,8 +266,13 @@ class PrefixCache final : private PageReclaimer {
   /// Cached pages repeated eviction can free now (>= n_evictable()): what the attached table may take.
   int64_t n_reclaimable() const noexcept override { return n_reclaimable_; }
 
-  PrefixStats stats() const noexcept { return stats_; }
-  void reset_stats() noexcept { stats_ = PrefixStats{}; }
+  PrefixStats stats() const { return stats_; }
+  void reset_stats() noexcept {
+    std::vector<PrefixTierStats> tiers = std::move(stats_.tiers);
+    for (PrefixTierStats& t : tiers) t.hit_tokens = t.loaded_pages = t.stored_pages = 0;
+    stats_ = PrefixStats{};
+    stats_.tiers = std::move(tiers);
+  }
 
   /// Audits the whole structure against the pool and the table with full
   /// scans (for tests and debugging): every cached page is allocated and
@@ -313,6 +384,7 @@ class PrefixCache final : private PageReclaimer {
 
   struct Node {
     uint64_t hash = 0;
+    uint64_t store_key = 0;  // PageKey::hash in the tiers (computed only when there are tiers)
     uint64_t salt = 0;
     int64_t page = -1;
     int32_t parent = kNone;   // the cached page before this one; kNone for a prompt's first page
@@ -320,6 +392,7 @@ class PrefixCache final : private PageReclaimer {
     int32_t n_blocking = 0;   // of those, the ones not reclaimable
     int32_t older = kNone;    // LRU list links
     int32_t newer = kNone;
+    int32_t depth = 0;        // pages from the prompt's first to this one, both included
     bool live = false;
     bool held = false;         // ref_count > 1: a sequence holds the page too
     bool reclaimable = false;  // !held and every child reclaimable
@@ -449,9 +522,15 @@ class PrefixCache final : private PageReclaimer {
     Node& n = nodes_[static_cast<size_t>(x)];
     n = Node{};
     n.hash = h;
+    if (!tiers_.empty()) {
+      const uint64_t previous = parent == kNone ? page_entry::key_seed(geometry_, salt)
+                                                : nodes_[static_cast<size_t>(parent)].store_key;
+      n.store_key = page_entry::next_key(previous, tokens, page_size_).hash;
+    }
     n.salt = salt;
     n.page = page;
     n.parent = parent;
+    n.depth = parent == kNone ? 1 : nodes_[static_cast<size_t>(parent)].depth + 1;
     n.live = true;
     n.held = true;
     std::memcpy(tokens_.data() + static_cast<size_t>(x) * page_size_, tokens,
@@ -472,6 +551,7 @@ class PrefixCache final : private PageReclaimer {
   /// Evicts node x (evictable: a reclaimable leaf).
   void remove(int32_t x) noexcept {
     Node& n = nodes_[static_cast<size_t>(x)];
+    if (!tiers_.empty() || listener_) note_eviction(x);
     pool().free(n.page);  // the only reference: the page is free again
     node_of_page_[static_cast<size_t>(n.page)] = kNone;
     index_erase(n.hash, x);
@@ -506,6 +586,7 @@ class PrefixCache final : private PageReclaimer {
       }
       x = next;
     }
+    if (!evicted_.empty()) write_down();
     return freed;
   }
 
@@ -560,6 +641,235 @@ class PrefixCache final : private PageReclaimer {
     }
   }
 
+
+  // ---- tiers and events ----
+
+  static constexpr const char* kDevice = "device";
+
+  static std::vector<std::shared_ptr<PageStore>> checked_tiers(std::vector<std::shared_ptr<PageStore>> tiers) {
+    const checks::Caller caller{"PrefixCache", Layout::name, "PrefixCache"};
+    for (size_t i = 0; i < tiers.size(); ++i) {
+      TORCH_CHECK(tiers[i] != nullptr, caller, ": argument 'tiers' expected stores, got a null pointer at index ", i);
+      for (size_t j = 0; j < i; ++j) {
+        TORCH_CHECK(tiers[j] != tiers[i], caller, ": argument 'tiers' expected distinct stores, got one store at ",
+                    "indices ", j, " and ", i);
+      }
+    }
+    return tiers;
+  }
+
+  /// A warning that cannot throw (a warning handler may turn warnings into errors).
+  template <class... Args>
+  static void warn(const Args&... parts) noexcept {
+    try {
+      TORCH_WARN("pagedkv::PrefixCache<", Layout::name, ">: ", parts...);
+    } catch (...) {
+    }
+  }
+
+  void notify(const PrefixEvent& event) noexcept {
+    try {
+      listener_(event);
+    } catch (const std::exception& e) {
+      warn("the event listener threw (ignored): ", e.what());
+    } catch (...) {
+      warn("the event listener threw (ignored)");
+    }
+  }
+
+  /// An event about cached node x.
+  void emit(PrefixEvent::Type type, int32_t x, const std::string& tier) noexcept {
+    const Node& n = nodes_[static_cast<size_t>(x)];
+    try {
+      notify(PrefixEvent{type, n.hash, n.parent == kNone ? 0 : nodes_[static_cast<size_t>(n.parent)].hash,
+                         static_cast<int64_t>(n.depth) * page_size_, tier});
+    } catch (...) {  // the tier's name could not be copied
+    }
+  }
+
+  /// An event about a tier's entry, from its header (nothing for an entry without one).
+  void emit_entry(PrefixEvent::Type type, const at::Tensor& entry, size_t t) noexcept {
+    try {
+      page_entry::Header h{};
+      if (!page_entry::read_header(entry, &h)) return;
+      notify(PrefixEvent{type, h.page_hash, h.parent_hash, h.n_tokens, stats_.tiers[t].tier});
+    } catch (...) {
+    }
+  }
+
+  /// A page that eviction freed, described before its node went, so that
+  /// write_down can store it once the walk is over.
+  struct Evicted {
+    int64_t page;
+    uint64_t hash;
+    uint64_t parent_hash;
+    uint64_t salt;
+    uint64_t store_key;
+    int64_t n_tokens;
+    std::vector<int64_t> tokens;  // [n_tokens] when there are tiers
+  };
+
+  void note_eviction(int32_t x) noexcept {
+    const Node& n = nodes_[static_cast<size_t>(x)];
+    try {
+      Evicted e{n.page, n.hash, n.parent == kNone ? 0 : nodes_[static_cast<size_t>(n.parent)].hash, n.salt,
+                n.store_key, static_cast<int64_t>(n.depth) * page_size_, {}};
+      if (!tiers_.empty()) {
+        e.tokens.resize(static_cast<size_t>(e.n_tokens));
+        // Its ancestors are still cached: a parent is evicted after its children.
+        for (int32_t a = x; a != kNone; a = nodes_[static_cast<size_t>(a)].parent) {
+          const int64_t at = static_cast<int64_t>(nodes_[static_cast<size_t>(a)].depth - 1) * page_size_;
+          std::memcpy(e.tokens.data() + at, tokens_of(a), static_cast<size_t>(page_size_) * sizeof(int64_t));
+        }
+      }
+      evicted_.push_back(std::move(e));
+    } catch (...) {
+      warn("out of memory describing evicted page ", n.page, ": it is dropped, not stored in a tier");
+    }
+  }
+
+  /// Announces the pages eviction just freed and stores them in the first
+  /// tier. Their K/V are still in the pool's storage: nothing has been
+  /// allocated since they were freed.
+  void write_down() noexcept {
+    std::vector<Evicted> evicted;
+    evicted.swap(evicted_);
+    for (const Evicted& e : evicted) {
+      if (listener_) {
+        try {
+          notify(PrefixEvent{PrefixEvent::Type::removed, e.hash, e.parent_hash, e.n_tokens, kDevice});
+        } catch (...) {
+        }
+      }
+      if (tiers_.empty() || static_cast<int64_t>(e.tokens.size()) != e.n_tokens) continue;
+      StoredPage stored{PageKey{e.store_key}, at::Tensor()};
+      try {
+        stored.entry = page_entry::encode(seqs_->cache(), e.page,
+                                          page_entry::Identity{stored.key, e.hash, e.parent_hash, e.salt,
+                                                               e.tokens.data(), e.n_tokens});
+      } catch (const std::exception& ex) {
+        warn("could not copy evicted page ", e.page, " out of the pool (", ex.what(), "): not stored in a tier");
+        continue;
+      }
+      put_down(0, std::move(stored));
+    }
+  }
+
+  /// Puts an entry into tier t; what it pushes out (or refuses) goes to the
+  /// next tier, and the last tier's push-outs are dropped.
+  void put_down(size_t t, StoredPage page) noexcept {
+    std::vector<StoredPage> pushed;
+    const bool want = t + 1 < tiers_.size() || static_cast<bool>(listener_);
+    bool ok = false;
+    try {
+      ok = tiers_[t]->put(page.key, page.entry, want ? &pushed : nullptr);
+    } catch (const std::exception& ex) {
+      warn("tier '", stats_.tiers[t].tier, "' threw on put (", ex.what(), "): the entry is not stored there");
+    } catch (...) {
+      warn("tier '", stats_.tiers[t].tier, "' threw on put: the entry is not stored there");
+    }
+    if (ok) {
+      ++stats_.tiers[t].stored_pages;
+      if (listener_) emit_entry(PrefixEvent::Type::stored, page.entry, t);
+    } else if (t + 1 < tiers_.size()) {
+      put_down(t + 1, std::move(page));
+    }
+    for (StoredPage& p : pushed) {
+      if (listener_) emit_entry(PrefixEvent::Type::removed, p.entry, t);
+      if (t + 1 < tiers_.size()) put_down(t + 1, std::move(p));
+    }
+  }
+
+  /// A verified entry for page j of a prompt.
+  struct TierHit {
+    at::Tensor entry;
+    size_t tier;
+    uint64_t hash;  // the page's chained hash (hash_)
+  };
+
+  /// Continues a device match of chain.size() pages through the tiers,
+  /// fastest first, page by page, while the pool could hold the pages:
+  /// every entry is verified in full against the geometry, the salt and the
+  /// tokens; one that fails is removed from its tier (a miss, with a warning).
+  std::vector<TierHit> find_in_tiers(const int64_t* tokens, int64_t n_pages, uint64_t salt,
+                                     const std::vector<int32_t>& chain) {
+    std::vector<TierHit> hits;
+    const bool first = chain.empty();
+    uint64_t h = first ? prefix_hash::salt_seed(salt) : nodes_[static_cast<size_t>(chain.back())].hash;
+    uint64_t key = first ? page_entry::key_seed(geometry_, salt) : nodes_[static_cast<size_t>(chain.back())].store_key;
+    const int64_t room = pool().n_free() + n_reclaimable_;  // at least what load_hits can allocate
+    for (int64_t j = static_cast<int64_t>(chain.size()); j < n_pages && static_cast<int64_t>(hits.size()) < room; ++j) {
+      const int64_t* page_tokens = tokens + j * page_size_;
+      const uint64_t parent_hash = h;
+      h = hash_(h, page_tokens, page_size_);
+      key = page_entry::next_key(key, page_tokens, page_size_).hash;
+      bool found = false;
+      for (size_t t = 0; t < tiers_.size() && !found; ++t) {
+        const std::string& name = stats_.tiers[t].tier;
+        at::Tensor entry;
+        try {
+          entry = tiers_[t]->get(PageKey{key});
+        } catch (const std::exception& ex) {
+          warn("tier '", name, "' threw on get (", ex.what(), "): a miss");
+          continue;
+        }
+        if (!entry.defined()) continue;
+        std::string why;
+        if (page_entry::verify(entry, geometry_, PageKey{key}, salt, tokens, (j + 1) * page_size_, &why) ==
+            page_entry::Verdict::ok) {
+          hits.push_back(TierHit{std::move(entry), t, h});
+          found = true;
+          continue;
+        }
+        warn("tier '", name, "' entry ", PageKey{key}.name(), " is not used: ", why, "; removed (a miss)");
+        try {
+          tiers_[t]->erase(PageKey{key});
+        } catch (...) {
+        }
+        if (listener_) notify(PrefixEvent{PrefixEvent::Type::removed, h, j == 0 ? 0 : parent_hash,
+                                          (j + 1) * page_size_, name});
+      }
+      if (!found) break;
+    }
+    return hits;
+  }
+
+  /// Allocates pages for as many hits as the pool can hold (evicting LRU
+  /// pages as any allocation does), copies their K/V in and caches them
+  /// after chain's last node, held by the acquiring sequence (ref_count 2).
+  /// Appends their nodes to chain and their pages to pages. The device
+  /// match is held, so it is never what is evicted. Node capacity is reserved.
+  void load_hits(const std::vector<TierHit>& hits, uint64_t salt, const int64_t* tokens, std::vector<int32_t>& chain,
+                 std::vector<int64_t>& pages) noexcept {
+    PagePool& pool = this->pool();
+    const int64_t n = std::min<int64_t>(static_cast<int64_t>(hits.size()), pool.n_free() + n_reclaimable_);
+    if (n <= 0) return;
+    if (pool.n_free() < n) evict_lru(n - pool.n_free());
+    std::vector<int64_t> fresh;
+    try {
+      fresh = pool.alloc_n(n);
+      for (int64_t i = 0; i < n; ++i) page_entry::load(seqs_->cache(), fresh[static_cast<size_t>(i)], hits[static_cast<size_t>(i)].entry);
+    } catch (const std::exception& ex) {
+      warn("could not copy tier entries into the pool (", ex.what(), "): a miss");
+      if (!fresh.empty()) pool.free_all(fresh);
+      return;
+    }
+    if (static_cast<int64_t>(fresh.size()) != n) return;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t page = fresh[static_cast<size_t>(i)];
+      const TierHit& hit = hits[static_cast<size_t>(i)];
+      const int64_t j = static_cast<int64_t>(chain.size());
+      pool.retain(page);  // the cache's reference; the allocation's is the sequence's
+      const int32_t x = add_node(page, chain.empty() ? kNone : chain.back(), salt, hit.hash, tokens + j * page_size_);
+      chain.push_back(x);
+      pages.push_back(page);
+      PrefixTierStats& st = stats_.tiers[hit.tier];
+      st.hit_tokens += page_size_;
+      ++st.loaded_pages;
+      if (listener_) emit(PrefixEvent::Type::stored, x, kDevice);
+    }
+  }
+
   // ---- PageReclaimer: the attached table's hook ----
 
   void reclaim(int64_t n_pages) noexcept override { evict_lru(n_pages); }
@@ -588,6 +898,10 @@ class PrefixCache final : private PageReclaimer {
   int64_t n_evictable_ = 0;
   int64_t n_reclaimable_ = 0;
   PrefixStats stats_{};
+  std::vector<std::shared_ptr<PageStore>> tiers_;  // fastest first
+  page_entry::Geometry geometry_;                  // what the tiers' entries must match
+  std::function<void(const PrefixEvent&)> listener_;
+  std::vector<Evicted> evicted_;  // freed by the eviction in progress, for write_down
 };
 
 }  // namespace pagedkv
