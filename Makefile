@@ -6,7 +6,7 @@ JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
 DEBIAN_PACKAGES := cmake g++ make libtorch-dev libgloo-dev googletest libgtest-dev libbenchmark-dev python3-torch \
-                   nlohmann-json3-dev
+                   nlohmann-json3-dev libhiredis-dev redis-server
 
 .PHONY: deps configure build test example example-disaggregated bench clean test-sanitize fuzz lint test-torch2 \
         test-python test-python-debian test-python-torch2 bench-python
