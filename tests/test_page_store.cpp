@@ -600,8 +600,10 @@ TEST(PrefixTiers, ARestartedEngineHitsWhatTheFirstStoredOnDisk) {
     for (int64_t j = 0; j < 4; ++j) written.push_back(page_bytes(cache, seqs.pages(seq)[static_cast<size_t>(j)]));
     seqs.release(seq);
     prefix.clear();
-    // Before it exits, the engine moves what host memory holds down to the disk.
-    for (StoredPage& p : prefix.tiers()[0]->drain()) prefix.tiers()[1]->put(p.key, p.entry, nullptr);
+    EXPECT_EQ(prefix.stats().tiers[0].stored_pages, 4);
+    EXPECT_EQ(prefix.stats().tiers[1].stored_pages, 0);
+    EXPECT_EQ(prefix.persist(), 4);  // before it exits: host memory's entries go down to the disk
+    EXPECT_EQ(prefix.stats().tiers[1].stored_pages, 4);
   }
   PagedCache<NHD> cache = make_cache<NHD>(8, KVQuant{KVFormat::fp8_e4m3, KVFormat::fp8_e4m3}, at::kBFloat16);
   SequenceTable<NHD> seqs(cache);
@@ -691,6 +693,9 @@ TEST(PrefixTiers, EventsFollowAModelOfEveryTier) {
       live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
     } else if (op < 9) {
       prefix.evict(static_cast<int64_t>(1 + rng() % 4));
+    } else if (op < 10 && step % 3 == 0) {
+      prefix.persist();  // host memory's entries go down to the disk
+      ASSERT_EQ(host->n_entries(), 0);
     } else {
       prefix.clear();
     }

@@ -259,6 +259,32 @@ class PrefixCache final : private PageReclaimer {
     if (n_live_ == 0 && listener_) notify(PrefixEvent{PrefixEvent::Type::cleared, 0, 0, 0, kDevice});
   }
 
+  /// Before the process ends (or the tiers are handed to another engine):
+  /// evicts every evictable page, as clear() does, then moves every entry
+  /// of a tier whose memory dies with the process (PageStore::drain: host
+  /// memory) down to the next tier, so that a later process, or another
+  /// engine on the same disk or server, finds them. The last tier keeps
+  /// its entries. Returns the entries moved from one tier to the next.
+  int64_t persist() {
+    clear();
+    int64_t moved = 0;
+    for (size_t t = 0; t + 1 < tiers_.size(); ++t) {
+      std::vector<StoredPage> drained;
+      try {
+        drained = tiers_[t]->drain();
+      } catch (const std::exception& ex) {
+        warn("tier '", stats_.tiers[t].tier, "' threw on drain (", ex.what(), "): its entries stay there");
+        continue;
+      }
+      for (StoredPage& page : drained) {
+        if (listener_) emit_entry(PrefixEvent::Type::removed, page.entry, t);
+        put_down(t + 1, std::move(page));
+        ++moved;
+      }
+    }
+    return moved;
+  }
+
   /// Pages the cache holds a reference on.
   int64_t n_cached() const noexcept { return n_live_; }
   /// Cached pages nothing else references and no cached page continues.
