@@ -304,6 +304,7 @@ TEST(DiskStore, KeepsTheBudgetAndSurvivesARestart) {
     std::vector<StoredPage> out;
     for (uint64_t k = 1; k <= 3; ++k) {
       EXPECT_TRUE(store.put(PageKey{k}, bytes_of(100, static_cast<uint8_t>(k)), &out));
+      store.flush();  // written now (puts return before their file is written)
       std::this_thread::sleep_for(std::chrono::milliseconds(20));  // distinct mtimes
     }
     EXPECT_TRUE(store.get(PageKey{1}).defined());  // 2 is now the least recently used
@@ -313,6 +314,7 @@ TEST(DiskStore, KeepsTheBudgetAndSurvivesARestart) {
     EXPECT_EQ(out[0].key.hash, 2u);
     EXPECT_EQ(out[0].entry.numel(), 100);
     EXPECT_EQ(store.n_entries(), 3);
+    store.flush();
     EXPECT_EQ(dir.entries().size(), 3u);  // no temporary file left behind
   }
   // A new store (a restarted process) finds the entries and their order.
@@ -329,7 +331,30 @@ TEST(DiskStore, KeepsTheBudgetAndSurvivesARestart) {
   EXPECT_FALSE(again.get(PageKey{3}).defined());
   again.erase(PageKey{1});
   EXPECT_FALSE(again.get(PageKey{1}).defined());
+  again.flush();
   EXPECT_EQ(dir.entries().size(), 2u);
+}
+
+TEST(DiskStore, WritesOffTheCallersPathAndLosesNothingAtTheEnd) {
+  TempDir dir;
+  constexpr int kEntries = 40;
+  {
+    pagedkv::DiskStore store(dir.path, int64_t{1} << 30);
+    for (int k = 0; k < kEntries; ++k) {
+      const at::Tensor entry = bytes_of(64 * 1024, static_cast<uint8_t>(k));
+      ASSERT_TRUE(store.put(PageKey{static_cast<uint64_t>(k)}, entry, nullptr));
+      // Found at once, whether its file is written yet or not.
+      const at::Tensor got = store.get(PageKey{static_cast<uint64_t>(k)});
+      ASSERT_TRUE(got.defined() && at::equal(got, entry)) << k;
+    }
+    store.erase(PageKey{0});  // queued behind its own write: the file ends up gone
+    EXPECT_FALSE(store.get(PageKey{0}).defined());
+  }  // the destructor writes what is still queued
+  pagedkv::DiskStore again(dir.path, int64_t{1} << 30);
+  EXPECT_EQ(again.n_entries(), kEntries - 1);
+  EXPECT_EQ(static_cast<int>(dir.entries().size()), kEntries - 1);  // no temporary file left
+  EXPECT_FALSE(again.get(PageKey{0}).defined());
+  EXPECT_TRUE(at::equal(again.get(PageKey{kEntries - 1}), bytes_of(64 * 1024, kEntries - 1)));
 }
 
 TEST(DiskStore, TwoProcessesWriteAndReadAtOnce) {
@@ -525,6 +550,7 @@ TEST(PrefixTiers, CorruptOrForeignDiskEntriesAreMissesWithAWarning) {
   EXPECT_TRUE(warnings.any("corrupt")) << "no warning names the damage";
   EXPECT_GE(warnings.messages.size(), 2u);
   // The damaged entries the lookups met are gone; no damaged file is read twice.
+  disk->flush();
   std::set<std::string> left;
   for (const auto& name : dir.entries()) left.insert(dir.path + "/" + name);
   EXPECT_FALSE(left.count(files[0]) && left.count(files[1]) && left.count(files[2]));

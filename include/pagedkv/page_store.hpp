@@ -33,6 +33,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <condition_variable>
+#include <deque>
+#include <functional>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -40,6 +43,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -464,6 +468,145 @@ class LruIndex {
   int64_t bytes_ = 0;
 };
 
+/// Writes off the caller's path: a slow store's put queues the entry (the
+/// tensor itself, no copy) and returns, and one thread writes the queue in
+/// order. Until its write is done, a queued entry is served from memory
+/// (pending()), so a page evicted a moment ago is found at once. Queued
+/// bytes are bounded: past max_pending_bytes a put waits for the writer.
+/// A write that fails is warned about by `write` and its key is reported by
+/// take_failed(), for the store to forget it.
+class WriteBehind {
+ public:
+  using Write = std::function<bool(uint64_t key, const at::Tensor& entry)>;
+  using Remove = std::function<void(uint64_t key)>;
+
+  WriteBehind(Write write, Remove remove, int64_t max_pending_bytes)
+      : write_(std::move(write)), remove_(std::move(remove)), max_pending_bytes_(max_pending_bytes),
+        thread_([this] { run(); }) {}
+
+  ~WriteBehind() {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_writer_.notify_all();
+    thread_.join();  // after the queue is empty: entries put before the end are on disk
+  }
+
+  WriteBehind(const WriteBehind&) = delete;
+  WriteBehind& operator=(const WriteBehind&) = delete;
+
+  void put(uint64_t key, const at::Tensor& entry) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    wake_caller_.wait(lock, [&] { return pending_bytes_ <= max_pending_bytes_; });
+    auto it = pending_.find(key);
+    if (it != pending_.end()) pending_bytes_ -= it->second.numel();
+    pending_[key] = entry;
+    pending_bytes_ += entry.numel();
+    jobs_.push_back(Job{key, entry});
+    wake_writer_.notify_one();
+  }
+
+  /// Cancels a queued write of key and queues its removal.
+  void remove(uint64_t key) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    forget(key);
+    ++removing_[key];
+    jobs_.push_back(Job{key, at::Tensor()});
+    wake_writer_.notify_one();
+  }
+
+  /// Whether a removal of key is queued (its file, if any, is as good as gone).
+  bool removing(uint64_t key) const {
+    std::unique_lock<std::mutex> lock(mutex_);
+    return removing_.count(key) != 0;
+  }
+
+  /// The entry under key while its write is queued; undefined otherwise.
+  at::Tensor pending(uint64_t key) const {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const auto it = pending_.find(key);
+    return it == pending_.end() ? at::Tensor() : it->second;
+  }
+
+  /// Returns once every job queued before the call has run.
+  void flush() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const uint64_t target = queued_ + jobs_.size();
+    wake_caller_.wait(lock, [&] { return done_ >= target; });
+  }
+
+  std::vector<uint64_t> take_failed() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    std::vector<uint64_t> failed;
+    failed.swap(failed_);
+    return failed;
+  }
+
+ private:
+  struct Job {
+    uint64_t key;
+    at::Tensor entry;  // undefined: a removal
+  };
+
+  void forget(uint64_t key) {
+    const auto it = pending_.find(key);
+    if (it == pending_.end()) return;
+    pending_bytes_ -= it->second.numel();
+    pending_.erase(it);
+  }
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_writer_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stop_, and nothing left to write
+      Job job = std::move(jobs_.front());
+      jobs_.pop_front();
+      ++queued_;
+      // A write whose entry was replaced or removed since is skipped: the
+      // newer job does what is needed.
+      const auto it = pending_.find(job.key);
+      const bool current = job.entry.defined() && it != pending_.end() && it->second.is_same(job.entry);
+      lock.unlock();
+      bool ok = true;
+      if (current) {
+        ok = write_(job.key, job.entry);
+      } else if (!job.entry.defined()) {
+        remove_(job.key);
+      }
+      lock.lock();
+      if (!job.entry.defined()) {
+        const auto r = removing_.find(job.key);
+        if (r != removing_.end() && --r->second == 0) removing_.erase(r);
+      }
+      if (current) {
+        const auto now = pending_.find(job.key);
+        if (now != pending_.end() && now->second.is_same(job.entry)) forget(job.key);  // on disk (or failed) now
+        if (!ok) failed_.push_back(job.key);
+      }
+      ++done_;
+      wake_caller_.notify_all();
+    }
+  }
+
+  Write write_;
+  Remove remove_;
+  int64_t max_pending_bytes_;
+  mutable std::mutex mutex_;
+  std::condition_variable wake_writer_;
+  std::condition_variable wake_caller_;
+  std::deque<Job> jobs_;
+  std::unordered_map<uint64_t, at::Tensor> pending_;
+  std::unordered_map<uint64_t, int> removing_;  // queued removals per key
+  std::vector<uint64_t> failed_;
+  int64_t pending_bytes_ = 0;
+  uint64_t queued_ = 0;  // jobs taken off the queue
+  uint64_t done_ = 0;    // jobs finished
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once everything above is initialised
+};
+
 inline bool valid_entry_tensor(const at::Tensor& entry) {
   return entry.defined() && entry.device().type() == at::kCPU && entry.scalar_type() == at::kByte &&
          entry.dim() == 1 && entry.is_contiguous();
@@ -531,16 +674,21 @@ class HostStore final : public PageStore {
 
 /// A directory: one file per entry (<key>.pkv), written to a temporary file
 /// and renamed into place, so that no reader (this process, another one, a
-/// later one) ever sees half an entry. Last use is the file's mtime, so the
-/// least recently used order survives restarts. Each process keeps the
-/// budget over the entries it knows: those it wrote and those it found when
-/// it last scanned the directory (at construction and every kRescanPuts
-/// writes), least recently used first; a file another process removed is a
-/// miss. Not fsynced: after a power loss an entry may be short or empty,
-/// which its checksum makes a miss.
+/// later one) ever sees half an entry. Files are written off the caller's
+/// path by one thread of the store (store_detail::WriteBehind: a put queues
+/// the entry and returns; until its file is written, get serves it from
+/// memory; flush() waits for the queue; the destructor writes what is
+/// queued). Last use is the file's mtime, so the least recently used order
+/// survives restarts. Each process keeps the budget over the entries it
+/// knows: those it wrote and those it found when it last scanned the
+/// directory (at construction and every kRescanPuts writes), least recently
+/// used first; a file another process removed is a miss. Not fsynced: after
+/// a power loss an entry may be short or empty, which its checksum makes a
+/// miss.
 class DiskStore final : public PageStore {
  public:
   static constexpr int64_t kRescanPuts = 256;
+  static constexpr int64_t kMaxPendingBytes = int64_t{256} << 20;  // queued for writing at most
 
   DiskStore(const std::string& dir, int64_t max_bytes) : dir_(dir), max_bytes_(max_bytes) {
     const checks::Caller caller{"disk_store", nullptr, nullptr};
@@ -554,7 +702,12 @@ class DiskStore final : public PageStore {
     TORCH_CHECK(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && ::access(dir.c_str(), R_OK | W_OK | X_OK) == 0,
                 caller, ": argument 'dir' expected a directory this process can read and write, got '", dir, "'");
     scan();
+    writer_ = std::make_unique<store_detail::WriteBehind>(
+        [this](uint64_t key, const at::Tensor& entry) { return write_entry(key, entry); },
+        [this](uint64_t key) { ::unlink(path(key).c_str()); }, kMaxPendingBytes);
   }
+
+  ~DiskStore() override { writer_.reset(); }  // writes what is queued, before the members it uses go
 
   std::string tier() const override { return "disk"; }
 
@@ -566,26 +719,19 @@ class DiskStore final : public PageStore {
       return false;
     }
     std::lock_guard<std::mutex> lock(mutex_);
-    const std::string final_path = path(key.hash);
-    const std::string temp = dir_ + "/.tmp." + std::to_string(::getpid()) + "." + std::to_string(++n_temps_) + "." +
-                             key.name();
-    if (!write_file(temp, entry.data_ptr<uint8_t>(), static_cast<size_t>(entry.numel())) ||
-        ::rename(temp.c_str(), final_path.c_str()) != 0) {
-      warn_("pagedkv::disk_store('", dir_, "'): cannot write entry ", key.name(), " (", std::strerror(errno),
-            "); not stored");
-      ::unlink(temp.c_str());
-      return false;
-    }
+    forget_failed();
+    writer_->put(key.hash, entry);
     index_.put(key.hash, entry.numel(), 0);
     if (++n_puts_ % kRescanPuts == 0) scan();
     while (index_.bytes() > max_bytes_) {
       const uint64_t old = index_.oldest()->key;
-      if (old == key.hash) break;  // cannot happen (the entry fits and is the newest); never unlink it
+      if (old == key.hash) break;  // cannot happen (the entry fits and is the newest)
       if (pushed_out != nullptr) {
-        at::Tensor bytes = read_file(path(old));
+        at::Tensor bytes = writer_->pending(old);  // still queued: no need to read it back
+        if (!bytes.defined()) bytes = read_file(path(old));
         if (bytes.defined()) pushed_out->push_back(StoredPage{PageKey{old}, std::move(bytes)});
       }
-      ::unlink(path(old).c_str());
+      writer_->remove(old);
       index_.erase(old);
     }
     return true;
@@ -593,13 +739,18 @@ class DiskStore final : public PageStore {
 
   at::Tensor get(const PageKey& key) override {
     std::lock_guard<std::mutex> lock(mutex_);
+    forget_failed();
+    at::Tensor entry = writer_->pending(key.hash);
     const std::string p = path(key.hash);
-    at::Tensor entry = read_file(p);
     if (!entry.defined()) {
-      index_.erase(key.hash);
-      return entry;
+      if (writer_->removing(key.hash)) return entry;  // pushed out or erased: its unlink is queued
+      entry = read_file(p);
+      if (!entry.defined()) {
+        index_.erase(key.hash);
+        return entry;
+      }
+      ::utimensat(AT_FDCWD, p.c_str(), nullptr, 0);  // last use, for later processes' LRU order
     }
-    ::utimensat(AT_FDCWD, p.c_str(), nullptr, 0);  // last use, for later processes' LRU order
     if (index_.find(key.hash) == nullptr) index_.put(key.hash, entry.numel(), 0);
     index_.touch(key.hash);
     return entry;
@@ -607,9 +758,12 @@ class DiskStore final : public PageStore {
 
   void erase(const PageKey& key) override {
     std::lock_guard<std::mutex> lock(mutex_);
-    ::unlink(path(key.hash).c_str());
+    writer_->remove(key.hash);
     index_.erase(key.hash);
   }
+
+  /// Returns once every entry put so far is in its file (or failed, warned).
+  void flush() { writer_->flush(); }
 
   int64_t n_entries() const {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -623,6 +777,26 @@ class DiskStore final : public PageStore {
 
  private:
   std::string path(uint64_t key) const { return dir_ + "/" + PageKey{key}.name() + ".pkv"; }
+
+  /// The writer thread's job: a temporary file, renamed into place.
+  bool write_entry(uint64_t key, const at::Tensor& entry) {
+    const std::string final_path = path(key);
+    const std::string temp = dir_ + "/.tmp." + std::to_string(::getpid()) + "." + std::to_string(++n_temps_) + "." +
+                             PageKey{key}.name();
+    if (!write_file(temp, entry.data_ptr<uint8_t>(), static_cast<size_t>(entry.numel())) ||
+        ::rename(temp.c_str(), final_path.c_str()) != 0) {
+      warn_("pagedkv::disk_store('", dir_, "'): cannot write entry ", PageKey{key}.name(), " (", std::strerror(errno),
+            "); not stored");
+      ::unlink(temp.c_str());
+      return false;
+    }
+    return true;
+  }
+
+  /// Entries whose write failed are not there: the index forgets them.
+  void forget_failed() {
+    for (const uint64_t key : writer_->take_failed()) index_.erase(key);
+  }
 
   static bool write_file(const std::string& p, const uint8_t* data, size_t n) {
     const int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
@@ -705,6 +879,7 @@ class DiskStore final : public PageStore {
     std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime_ns > b.mtime_ns; });
     for (const Found& f : found) {
       if (index_.find(f.key) != nullptr) continue;  // known here: keep this process's order
+      if (writer_ != nullptr && writer_->removing(f.key)) continue;
       index_.put_oldest(f.key, f.bytes, 0);  // newest first, each before the last: oldest ends first
     }
   }
@@ -713,9 +888,10 @@ class DiskStore final : public PageStore {
   int64_t max_bytes_;
   mutable std::mutex mutex_;
   store_detail::LruIndex<int> index_;
-  int64_t n_temps_ = 0;
+  std::atomic<int64_t> n_temps_{0};
   int64_t n_puts_ = 0;
   store_detail::Warner warn_;
+  std::unique_ptr<store_detail::WriteBehind> writer_;  // after what its thread uses
 };
 
 /// A tier in host memory of at most max_bytes (>= 1) bytes of entries.
