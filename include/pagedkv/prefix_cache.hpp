@@ -46,6 +46,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -144,22 +145,22 @@ class PrefixCache final : private PageReclaimer {
     const at::Tensor ids = token_ids(caller, tokens);
     const int64_t cap = capped(caller, ids, max_tokens);
     const int64_t* data = ids.data_ptr<int64_t>();
+    const int64_t cap_pages = cap / page_size_;
     std::vector<int32_t> chain;
-    const int64_t n_device = match(data, cap / page_size_, salt, &chain);
-    // Tier entries are read and verified before anything changes; a store's
-    // failure is a miss there, never an exception here.
-    std::vector<TierHit> hits;
-    if (!tiers_.empty() && n_device < cap / page_size_) hits = find_in_tiers(data, cap / page_size_, salt, chain);
+    const int64_t n_device = match(data, cap_pages, salt, &chain);
     std::vector<int64_t> pages(static_cast<size_t>(n_device));
     for (size_t j = 0; j < chain.size(); ++j) pages[j] = nodes_[static_cast<size_t>(chain[j])].page;
     PagePool& pool = this->pool();
-    reserve_nodes(static_cast<int64_t>(hits.size()));  // may throw std::bad_alloc: nothing changed yet
-    pages.reserve(pages.size() + hits.size());
-    chain.reserve(chain.size() + hits.size());
+    // Room for every page the tiers could add, so that nothing below throws
+    // but the ref_count limit (std::bad_alloc here: nothing changed yet).
+    const int64_t n_more = tiers_.empty() ? 0 : std::min(cap_pages - n_device, pool.n_pages());
+    reserve_nodes(n_more);
+    pages.reserve(pages.size() + static_cast<size_t>(n_more));
+    chain.reserve(chain.size() + static_cast<size_t>(n_more));
     pool.retain_all(pages);  // all or nothing (throws at the ref_count limit)
     // Held, the device match cannot be evicted to make room for the loaded pages.
     for (const int32_t x : chain) set_held(x, true);
-    if (!hits.empty()) load_hits(hits, salt, data, chain, pages);
+    if (n_more > 0) load_from_tiers(data, cap_pages, salt, chain, pages);
     int64_t seq = -1;
     try {
       seq = seqs_->adopt(pages, static_cast<int64_t>(pages.size()) * page_size_);
@@ -806,90 +807,82 @@ class PrefixCache final : private PageReclaimer {
     }
   }
 
-  /// A verified entry for page j of a prompt.
-  struct TierHit {
-    at::Tensor entry;
-    size_t tier;
-    uint64_t hash;  // the page's chained hash (hash_)
-  };
+  /// The verified entry of page j of `tokens` (key, chained hash h) from
+  /// the fastest tier that has one, and that tier; an undefined tensor when
+  /// none has. An entry that fails verification (corrupt, truncated,
+  /// foreign) is removed from its tier with a warning, and the next tier is
+  /// asked. A store that throws is a miss there.
+  std::pair<at::Tensor, size_t> tier_lookup(const int64_t* tokens, int64_t j, uint64_t salt, uint64_t key, uint64_t h,
+                                            uint64_t parent_hash) {
+    for (size_t t = 0; t < tiers_.size(); ++t) {
+      const std::string& name = stats_.tiers[t].tier;
+      at::Tensor entry;
+      bool check_sum = true;
+      try {
+        entry = tiers_[t]->get(PageKey{key});
+        check_sum = !tiers_[t]->in_process();
+      } catch (const std::exception& ex) {
+        warn("tier '", name, "' threw on get (", ex.what(), "): a miss");
+        continue;
+      }
+      if (!entry.defined()) continue;
+      std::string why;
+      if (page_entry::verify(entry, geometry_, PageKey{key}, salt, tokens, (j + 1) * page_size_, &why, check_sum) ==
+          page_entry::Verdict::ok)
+        return {std::move(entry), t};
+      warn("tier '", name, "' entry ", PageKey{key}.name(), " is not used: ", why, "; removed (a miss)");
+      try {
+        tiers_[t]->erase(PageKey{key});
+      } catch (...) {
+      }
+      if (listener_) notify(PrefixEvent{PrefixEvent::Type::removed, h, j == 0 ? 0 : parent_hash, (j + 1) * page_size_, name});
+    }
+    return {at::Tensor(), 0};
+  }
 
-  /// Continues a device match of chain.size() pages through the tiers,
-  /// fastest first, page by page, while the pool could hold the pages:
-  /// every entry is verified in full against the geometry, the salt and the
-  /// tokens; one that fails is removed from its tier (a miss, with a warning).
-  std::vector<TierHit> find_in_tiers(const int64_t* tokens, int64_t n_pages, uint64_t salt,
-                                     const std::vector<int32_t>& chain) {
-    std::vector<TierHit> hits;
+  /// Continues a device match (chain, pages; held) through the tiers, page
+  /// by page, fastest tier first, while the pool has room (free pages, or
+  /// evictable ones: eviction makes room as for any allocation, and never
+  /// takes the match, which is held). Each page found is allocated, gets its
+  /// K/V and is cached after the previous one, held by the acquiring
+  /// sequence (ref_count 2); its node and page are appended to chain and
+  /// pages. One page at a time, so that one entry at a time is in memory.
+  /// Node capacity is reserved.
+  void load_from_tiers(const int64_t* tokens, int64_t n_pages, uint64_t salt, std::vector<int32_t>& chain,
+                       std::vector<int64_t>& pages) noexcept {
+    PagePool& pool = this->pool();
     const bool first = chain.empty();
     uint64_t h = first ? prefix_hash::salt_seed(salt) : nodes_[static_cast<size_t>(chain.back())].hash;
     uint64_t key = first ? page_entry::key_seed(geometry_, salt) : nodes_[static_cast<size_t>(chain.back())].store_key;
-    const int64_t room = pool().n_free() + n_reclaimable_;  // at least what load_hits can allocate
-    for (int64_t j = static_cast<int64_t>(chain.size()); j < n_pages && static_cast<int64_t>(hits.size()) < room; ++j) {
+    for (int64_t j = static_cast<int64_t>(chain.size()); j < n_pages; ++j) {
+      if (pool.n_free() + n_reclaimable_ == 0) return;  // the pool is short: the match stops here
       const int64_t* page_tokens = tokens + j * page_size_;
       const uint64_t parent_hash = h;
       h = hash_(h, page_tokens, page_size_);
       key = page_entry::next_key(key, page_tokens, page_size_).hash;
-      bool found = false;
-      for (size_t t = 0; t < tiers_.size() && !found; ++t) {
-        const std::string& name = stats_.tiers[t].tier;
-        at::Tensor entry;
-        try {
-          entry = tiers_[t]->get(PageKey{key});
-        } catch (const std::exception& ex) {
-          warn("tier '", name, "' threw on get (", ex.what(), "): a miss");
-          continue;
-        }
-        if (!entry.defined()) continue;
-        std::string why;
-        if (page_entry::verify(entry, geometry_, PageKey{key}, salt, tokens, (j + 1) * page_size_, &why) ==
-            page_entry::Verdict::ok) {
-          hits.push_back(TierHit{std::move(entry), t, h});
-          found = true;
-          continue;
-        }
-        warn("tier '", name, "' entry ", PageKey{key}.name(), " is not used: ", why, "; removed (a miss)");
-        try {
-          tiers_[t]->erase(PageKey{key});
-        } catch (...) {
-        }
-        if (listener_) notify(PrefixEvent{PrefixEvent::Type::removed, h, j == 0 ? 0 : parent_hash,
-                                          (j + 1) * page_size_, name});
+      at::Tensor entry;
+      size_t tier = 0;
+      try {
+        std::tie(entry, tier) = tier_lookup(tokens, j, salt, key, h, parent_hash);
+      } catch (const std::exception& ex) {  // out of memory reading an entry
+        warn("could not read a tier entry (", ex.what(), "): a miss");
+        return;
       }
-      if (!found) break;
-    }
-    return hits;
-  }
-
-  /// Allocates pages for as many hits as the pool can hold (evicting LRU
-  /// pages as any allocation does), copies their K/V in and caches them
-  /// after chain's last node, held by the acquiring sequence (ref_count 2).
-  /// Appends their nodes to chain and their pages to pages. The device
-  /// match is held, so it is never what is evicted. Node capacity is reserved.
-  void load_hits(const std::vector<TierHit>& hits, uint64_t salt, const int64_t* tokens, std::vector<int32_t>& chain,
-                 std::vector<int64_t>& pages) noexcept {
-    PagePool& pool = this->pool();
-    const int64_t n = std::min<int64_t>(static_cast<int64_t>(hits.size()), pool.n_free() + n_reclaimable_);
-    if (n <= 0) return;
-    if (pool.n_free() < n) evict_lru(n - pool.n_free());
-    std::vector<int64_t> fresh;
-    try {
-      fresh = pool.alloc_n(n);
-      for (int64_t i = 0; i < n; ++i) page_entry::load(seqs_->cache(), fresh[static_cast<size_t>(i)], hits[static_cast<size_t>(i)].entry);
-    } catch (const std::exception& ex) {
-      warn("could not copy tier entries into the pool (", ex.what(), "): a miss");
-      if (!fresh.empty()) pool.free_all(fresh);
-      return;
-    }
-    if (static_cast<int64_t>(fresh.size()) != n) return;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t page = fresh[static_cast<size_t>(i)];
-      const TierHit& hit = hits[static_cast<size_t>(i)];
-      const int64_t j = static_cast<int64_t>(chain.size());
+      if (!entry.defined()) return;
+      if (pool.n_free() == 0) evict_lru(1);
+      const int64_t page = pool.alloc();
+      try {
+        page_entry::load(seqs_->cache(), page, entry);
+      } catch (const std::exception& ex) {
+        warn("could not copy a tier entry into page ", page, " (", ex.what(), "): a miss");
+        pool.free(page);
+        return;
+      }
       pool.retain(page);  // the cache's reference; the allocation's is the sequence's
-      const int32_t x = add_node(page, chain.empty() ? kNone : chain.back(), salt, hit.hash, tokens + j * page_size_);
+      const int32_t x = add_node(page, chain.empty() ? kNone : chain.back(), salt, h, page_tokens);
       chain.push_back(x);
       pages.push_back(page);
-      PrefixTierStats& st = stats_.tiers[hit.tier];
+      PrefixTierStats& st = stats_.tiers[tier];
       st.hit_tokens += page_size_;
       ++st.loaded_pages;
       if (listener_) emit(PrefixEvent::Type::stored, x, kDevice);
