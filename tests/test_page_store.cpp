@@ -644,20 +644,22 @@ TEST(PrefixTiers, ARestartedEngineHitsWhatTheFirstStoredOnDisk) {
   prefix.check();
 }
 
-TEST(PrefixTiers, EventsFollowAModelOfEveryTier) {
+/// Random traffic (requests with shared prefixes, releases, evictions,
+/// clear, persist, and restarts: a new engine, host memory and disk store
+/// over the same directory) against a model of what every tier holds, built
+/// from the events alone: each acquire must match exactly the pages the
+/// model says some tier holds, and the model's counts must equal the
+/// device's and the stores'.
+TEST(PrefixTiers, EventsFollowAModelOfEveryTierAcrossRestarts) {
   at::manual_seed(10);
   TempDir dir;
-  PagedCache<NHD> cache = make_cache<NHD>(64);
-  const int64_t entry_bytes = static_cast<int64_t>(page_entry::Geometry::of(cache).entry_bytes(3 * kPage));
-  auto host = std::make_shared<pagedkv::HostStore>(3 * entry_bytes);
-  auto disk = std::make_shared<pagedkv::DiskStore>(dir.path, 6 * entry_bytes);
-  SequenceTable<NHD> seqs(cache);
-  PrefixCache<NHD> prefix(seqs, {host, disk});
+  const int64_t entry_bytes =
+      static_cast<int64_t>(page_entry::Geometry::of(make_cache<NHD>(1)).entry_bytes(3 * kPage));
   std::map<std::string, std::set<uint64_t>> model;  // tier -> chained hashes it holds
   std::map<uint64_t, uint64_t> parent_of;
   int64_t n_events = 0;
   std::string failure;
-  prefix.set_event_listener([&](const PrefixEvent& e) {
+  const auto listener = [&](const PrefixEvent& e) {
     ++n_events;
     std::set<uint64_t>& held = model[e.tier];
     if (e.type == PrefixEvent::Type::cleared) {
@@ -676,7 +678,26 @@ TEST(PrefixTiers, EventsFollowAModelOfEveryTier) {
     } else if (held.erase(e.hash) != 1) {
       failure += "removed from " + e.tier + " what it did not hold; ";
     }
-  });
+  };
+  /// One engine: its cache, table, prefix cache and tiers.
+  struct Engine {
+    PagedCache<NHD> cache = make_cache<NHD>(64);
+    SequenceTable<NHD> seqs{cache};
+    std::shared_ptr<pagedkv::HostStore> host;
+    std::shared_ptr<pagedkv::DiskStore> disk;
+    PrefixCache<NHD> prefix;
+    Engine(const std::string& dir, int64_t entry_bytes)
+        : host(std::make_shared<pagedkv::HostStore>(3 * entry_bytes)),
+          disk(std::make_shared<pagedkv::DiskStore>(dir, 6 * entry_bytes)),
+          prefix(seqs, {host, disk}) {}
+  };
+  auto engine = std::make_unique<Engine>(dir.path, entry_bytes);
+  engine->prefix.set_event_listener(listener);
+  auto* seqs = &engine->seqs;
+  auto* prefix = &engine->prefix;
+  int64_t loaded_host = 0;
+  int64_t loaded_disk = 0;
+  int restarts = 0;
   // Prompts share prefixes: a few stems, each continued in a few ways.
   std::mt19937 rng(11);
   const auto prompt = [&]() {
@@ -699,46 +720,62 @@ TEST(PrefixTiers, EventsFollowAModelOfEveryTier) {
     return n;
   };
   std::vector<int64_t> live;
-  for (int step = 0; step < 150; ++step) {
+  for (int step = 0; step < 200; ++step) {
     const unsigned op = rng() % 10;
     if (op < 5) {
       if (live.size() >= 6) {  // keeps the pool from running short: the model assumes room
-        seqs.release(live.front());
+        seqs->release(live.front());
         live.erase(live.begin());
       }
       const std::vector<int64_t> p = prompt();
-      EXPECT_EQ(prefix.peek(ids(p)) <= expected(p), true);
+      EXPECT_EQ(prefix->peek(ids(p)) <= expected(p), true);
       const int64_t want = expected(p);
-      const auto [seq, n] = prefix.acquire(ids(p));
+      const auto [seq, n] = prefix->acquire(ids(p));
       EXPECT_EQ(n, want) << "step " << step;
-      seqs.release(seq);
-      live.push_back(run_request(seqs, prefix, p));
+      seqs->release(seq);
+      live.push_back(run_request(*seqs, *prefix, p));
     } else if (op < 8 && !live.empty()) {
       const size_t i = rng() % live.size();
-      seqs.release(live[i]);
+      seqs->release(live[i]);
       live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
     } else if (op < 9) {
-      prefix.evict(static_cast<int64_t>(1 + rng() % 4));
-    } else if (op < 10 && step % 3 == 0) {
-      prefix.persist();  // host memory's entries go down to the disk
-      ASSERT_EQ(host->n_entries(), 0);
+      prefix->evict(static_cast<int64_t>(1 + rng() % 4));
+    } else if (step % 3 == 0) {
+      prefix->persist();  // host memory's entries go down to the disk
+      ASSERT_EQ(engine->host->n_entries(), 0);
+    } else if (step % 3 == 1) {
+      // A restart: what the disk holds survives; the device and host memory start empty.
+      for (const int64_t seq : live) seqs->release(seq);
+      live.clear();
+      prefix->persist();
+      ASSERT_TRUE(model["device"].empty() && model["host"].empty());
+      loaded_host += prefix->stats().tiers[0].loaded_pages;
+      loaded_disk += prefix->stats().tiers[1].loaded_pages;
+      engine.reset();  // the disk store writes what it queued
+      engine = std::make_unique<Engine>(dir.path, entry_bytes);
+      engine->prefix.set_event_listener(listener);
+      seqs = &engine->seqs;
+      prefix = &engine->prefix;
+      ++restarts;
     } else {
-      prefix.clear();
+      prefix->clear();
     }
     ASSERT_EQ(failure, "") << "step " << step;
-    ASSERT_EQ(static_cast<int64_t>(model["device"].size()), prefix.n_cached()) << "step " << step;
-    ASSERT_EQ(static_cast<int64_t>(model["host"].size()), host->n_entries()) << "step " << step;
-    ASSERT_EQ(static_cast<int64_t>(model["disk"].size()), disk->n_entries()) << "step " << step;
+    ASSERT_EQ(static_cast<int64_t>(model["device"].size()), prefix->n_cached()) << "step " << step;
+    ASSERT_EQ(static_cast<int64_t>(model["host"].size()), engine->host->n_entries()) << "step " << step;
+    ASSERT_EQ(static_cast<int64_t>(model["disk"].size()), engine->disk->n_entries()) << "step " << step;
   }
-  for (const int64_t seq : live) seqs.release(seq);
-  prefix.clear();
+  for (const int64_t seq : live) seqs->release(seq);
+  prefix->clear();
   EXPECT_TRUE(model["device"].empty());
   EXPECT_EQ(failure, "");
-  const auto st = prefix.stats();
-  EXPECT_GT(st.tiers[0].loaded_pages, 0) << "the walk never hit host memory";
-  EXPECT_GT(st.tiers[1].loaded_pages, 0) << "the walk never hit the disk";
+  loaded_host += prefix->stats().tiers[0].loaded_pages;
+  loaded_disk += prefix->stats().tiers[1].loaded_pages;
+  EXPECT_GT(loaded_host, 0) << "the walk never hit host memory";
+  EXPECT_GT(loaded_disk, 0) << "the walk never hit the disk";
+  EXPECT_GT(restarts, 2);
   EXPECT_GT(n_events, 100);
-  prefix.check();
+  prefix->check();
 }
 
 TEST(PrefixTiers, BadInputThrowsWithNothingChanged) {

@@ -182,9 +182,10 @@ class PrefixCache final : private PageReclaimer {
   }
 
   /// Calls `listener` on every change of what the device or a tier holds
-  /// (PrefixEvent), synchronously, from the call that makes it; an empty
-  /// function stops the events. A listener that throws is warned about and
-  /// ignored.
+  /// (PrefixEvent), synchronously, from the call that makes it (which may
+  /// be in the middle of its work: the listener must not call the cache);
+  /// an empty function stops the events. A listener that throws is warned
+  /// about and ignored.
   void set_event_listener(std::function<void(const PrefixEvent&)> listener) { listener_ = std::move(listener); }
 
   /// The tiers, fastest first.
