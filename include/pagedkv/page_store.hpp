@@ -297,7 +297,7 @@ inline Sections sections(const Geometry& g, uint8_t* payload) {
 }
 
 /// A new entry holding page `page` of `cache` under `id` (pinned host
-/// memory for a CUDA cache, so that a later load is one asynchronous copy).
+/// memory for a CUDA cache, so that a later load is a DMA at full speed).
 template <class Layout>
 at::Tensor encode(const PagedCache<Layout>& cache, int64_t page, const Identity& id) {
   const Geometry g = Geometry::of(cache);
@@ -393,15 +393,14 @@ void load(PagedCache<Layout>& cache, int64_t page, const at::Tensor& entry) {
   std::memcpy(&h, entry.data_ptr<uint8_t>(), sizeof(h));
   uint8_t* payload = entry.data_ptr<uint8_t>() + sizeof(Header) + static_cast<size_t>(h.n_tokens) * sizeof(int64_t);
   const Sections s = sections(g, payload);
-  // non_blocking: an entry in pinned memory (a CUDA cache) is one
-  // asynchronous copy on the current stream; elsewhere it is a plain copy.
-  const bool async = cache.device().is_cuda() && entry.is_pinned();
-  page_codes<Layout>(cache.k_cache(), page).copy_(s.k, async);
-  page_codes<Layout>(cache.v_cache(), page).copy_(s.v, async);
-  if (s.k_scales.defined())
-    page_scales<Layout>(cache.k_scales(), page, g.page_size, g.n_kv_heads).copy_(s.k_scales, async);
-  if (s.v_scales.defined())
-    page_scales<Layout>(cache.v_scales(), page, g.page_size, g.n_kv_heads).copy_(s.v_scales, async);
+  // Blocking copies, also from pinned memory to a CUDA cache (a DMA at
+  // full speed): the views over the entry do not own its memory, so the
+  // host allocator could not tell that an asynchronous copy still reads it
+  // once the store lets the entry go.
+  page_codes<Layout>(cache.k_cache(), page).copy_(s.k);
+  page_codes<Layout>(cache.v_cache(), page).copy_(s.v);
+  if (s.k_scales.defined()) page_scales<Layout>(cache.k_scales(), page, g.page_size, g.n_kv_heads).copy_(s.k_scales);
+  if (s.v_scales.defined()) page_scales<Layout>(cache.v_scales(), page, g.page_size, g.n_kv_heads).copy_(s.v_scales);
 }
 
 }  // namespace page_entry
