@@ -91,8 +91,8 @@ struct TempDir {
 
 template <class L>
 PagedCache<L> make_cache(int64_t n_pages, KVQuant quant = {}, at::ScalarType dtype = at::kFloat,
-                         int64_t n_layers = kLayers) {
-  return PagedCache<L>(n_layers, n_pages, kPage, kHeads, kDim, at::TensorOptions().dtype(dtype), quant);
+                         int64_t n_layers = kLayers, at::DeviceType device = at::kCPU) {
+  return PagedCache<L>(n_layers, n_pages, kPage, kHeads, kDim, at::TensorOptions().dtype(dtype).device(device), quant);
 }
 
 /// A page's codes and scales, token-major, as bytes: what must survive a round trip.
@@ -100,7 +100,7 @@ template <class L>
 std::vector<uint8_t> page_bytes(const PagedCache<L>& cache, int64_t page) {
   std::vector<uint8_t> out;
   const auto append = [&](const at::Tensor& t) {
-    const at::Tensor c = t.contiguous();
+    const at::Tensor c = t.to(at::kCPU).contiguous();
     const auto* p = static_cast<const uint8_t*>(c.data_ptr());
     out.insert(out.end(), p, p + c.numel() * static_cast<int64_t>(c.element_size()));
   };
@@ -471,6 +471,43 @@ TEST(PrefixTiers, EvictedPagesComeBackBitForBit) {
     evicted_pages_come_back<NHD, NHD>(q, false);
     evicted_pages_come_back<HND, NHD>(q, true);
     evicted_pages_come_back<NHD, HND>(q, false);
+  }
+}
+
+/// A CUDA cache (skipped without a GPU): entries in pinned host memory,
+/// loaded back bit for bit, into a CUDA cache and into a CPU one.
+TEST(PrefixTiers, ACudaCachesPagesComeBackBitForBit) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(14);
+  for (const KVQuant& quant : kFormats) {
+    auto host = pagedkv::host_store(1 << 20);
+    const std::vector<int64_t> prompt = prompt_of(3 * kPage + 1, 8);
+    std::vector<std::vector<uint8_t>> written;
+    {
+      PagedCache<HND> cache = make_cache<HND>(8, quant, at::kHalf, kLayers, at::kCUDA);
+      SequenceTable<HND> seqs(cache);
+      PrefixCache<HND> prefix(seqs, {host});
+      const int64_t seq = run_request(seqs, prefix, prompt);
+      for (int64_t j = 0; j < 3; ++j) written.push_back(page_bytes(cache, seqs.pages(seq)[static_cast<size_t>(j)]));
+      seqs.release(seq);
+      prefix.clear();
+      const std::vector<StoredPage> entries = host->drain();
+      ASSERT_EQ(entries.size(), 3u);
+      EXPECT_TRUE(entries[0].entry.is_pinned()) << "host memory's entries of a CUDA cache are pinned";
+      for (const StoredPage& e : entries) host->put(e.key, e.entry, nullptr);
+    }
+    for (const at::DeviceType device : {at::kCUDA, at::kCPU}) {
+      PagedCache<NHD> cache = make_cache<NHD>(8, quant, at::kHalf, kLayers, device);
+      SequenceTable<NHD> seqs(cache);
+      PrefixCache<NHD> prefix(seqs, {host});
+      const auto [seq, n] = prefix.acquire(ids(prompt));
+      EXPECT_EQ(n, 3 * kPage);
+      for (int64_t j = 0; j < 3 && j * kPage < n; ++j) {
+        EXPECT_EQ(page_bytes(cache, seqs.pages(seq)[static_cast<size_t>(j)]), written[static_cast<size_t>(j)])
+            << "page " << j << " on " << device;
+      }
+      seqs.release(seq);
+    }
   }
 }
 
