@@ -271,6 +271,9 @@ int serve(const Options& o) {
   so.max_seqs = o.max_seqs;
   so.prefix_cache = o.prefix_cache;
   // The tiers, fastest first: host memory, the disk, the shared server.
+  if ((o.prefix_host_mb > 0 || !o.prefix_disk.empty() || !o.prefix_redis.empty()) && !o.prefix_cache) {
+    llama::fail("command line: --prefix-host-mb, --prefix-disk and --prefix-redis need --prefix-cache on");
+  }
   if (o.prefix_host_mb > 0) so.prefix_tiers.push_back(pagedkv::host_store(o.prefix_host_mb << 20));
   if (!o.prefix_disk.empty()) {
     try {
@@ -289,9 +292,6 @@ int serve(const Options& o) {
 #else
     llama::fail("command line: --prefix-redis: this llama was built without hiredis (libhiredis-dev)");
 #endif
-  }
-  if (!so.prefix_tiers.empty() && !o.prefix_cache) {
-    llama::fail("command line: --prefix-host-mb, --prefix-disk and --prefix-redis need --prefix-cache on");
   }
   so.swap = o.preempt == "swap";
   so.keep_logits = !o.logits.empty();
@@ -313,10 +313,10 @@ int serve(const Options& o) {
   for (const auto& r : requests) scheduler.add(r);
   while (scheduler.step()) {
   }
-  // So that a later run (same --prefix-disk) or another engine (same server) finds them.
-  scheduler.persist_prefix();
   const double serve_s = since(t_serve);
   const double serve_cpu_s = process_cpu_seconds() - cpu_serve;
+  // So that a later run (same --prefix-disk) or another engine (same server) finds them.
+  scheduler.persist_prefix();
   out.flush();
   if (!out) llama::fail(o.out.empty() ? std::string("stdout") : o.out, ": write error");
   if (!o.logits.empty()) {

@@ -114,6 +114,8 @@ def check_tiers(a, m, run, bad, requests, failures):
     bad("--prefix-disk-mb 0", base + ["--prefix-disk", disk, "--prefix-disk-mb", "0"], ["--prefix-disk-mb"])
     bad("--prefix-disk on a file", base + ["--prefix-disk", reqs], ["--prefix-disk", "expected a directory"])
     bad("--prefix-redis without a port", base + ["--prefix-redis", "localhost"], ["--prefix-redis"])
+    bad("tiers without a prefix cache", base + ["--prefix-host-mb", "1", "--prefix-cache", "off"],
+        ["need --prefix-cache on"])
     server = shutil.which("redis-server")
     rc, _, err = run(base + ["--prefix-redis", "127.0.0.1:1"])
     if rc == 2 and "built without hiredis" in err:
