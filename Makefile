@@ -16,7 +16,7 @@ CMAKE_ARGS ?=
 # unused.
 TORCH_BLAS_PACKAGES := libopenblas0-openmp
 DEBIAN_PACKAGES := cmake g++ make libtorch-dev libgloo-dev googletest libgtest-dev libbenchmark-dev python3-torch \
-                   nlohmann-json3-dev $(TORCH_BLAS_PACKAGES) libblas3
+                   nlohmann-json3-dev $(TORCH_BLAS_PACKAGES) libblas3 libhiredis-dev redis-server
 
 .PHONY: deps configure build test example example-disaggregated bench clean test-sanitize fuzz lint test-torch2 \
         test-python test-python-debian test-python-torch2 bench-python

@@ -20,6 +20,7 @@ int main() {
       {"sequences", docs::sequences_sample},
       {"prefix_cache", docs::prefix_cache_sample},
       {"transfer", docs::transfer_sample},
+      {"tiers", docs::tiers_sample},
   };
   int failed = 0;
   for (const auto& sample : samples) {

@@ -20,5 +20,6 @@ void quantization_sample();  // quantization.cpp: docs/quantization.md
 void sequences_sample();     // sequences.cpp: docs/sequences.md
 void prefix_cache_sample();  // prefix_cache.cpp: docs/sequences.md
 void transfer_sample();      // transfer.cpp: docs/transfer.md
+void tiers_sample();         // tiers.cpp: docs/tiers.md
 
 }  // namespace docs

@@ -35,6 +35,9 @@
 #include "pagedkv/pagedkv.hpp"
 #include "requests.hpp"
 #include "scheduler.hpp"
+#if PAGEDKV_LLAMA_WITH_REDIS
+#include "pagedkv/stores/redis.hpp"
+#endif
 
 namespace {
 
@@ -53,6 +56,10 @@ struct Options {
   int64_t max_seqs = 256;
   std::string preempt = "swap";
   int64_t host_pages = 0;  // 0: as many as --n-pages
+  int64_t prefix_host_mb = 0;  // prefix tiers (page_store.hpp); 0 / empty: none
+  std::string prefix_disk;
+  int64_t prefix_disk_mb = 1024;
+  std::string prefix_redis;
   bool quiet = false;
 };
 
@@ -84,6 +91,10 @@ void usage() {
       "  --preempt swap|recompute  what preemption does with the newest request (swap: to a\n"
       "                          host cache, recomputing when that is full)\n"
       "  --host-pages N          pages of the host cache swapped requests wait in (--n-pages)\n"
+      "  --prefix-host-mb N      a prefix tier of N MiB in host memory for pages the pool evicts\n"
+      "  --prefix-disk DIR       a prefix tier in DIR (kept across runs, shared by processes)\n"
+      "  --prefix-disk-mb N      its budget (1024)\n"
+      "  --prefix-redis H:P      a prefix tier on the Redis server at H:P, shared by engines\n"
       "  --logits FILE           JSON Lines {\"id\", \"logits\": [[vocab floats] per generated token]}\n"
       "  --stats FILE            the summary as one JSON object\n"
       "  --quiet                 no progress lines\n"
@@ -99,6 +110,13 @@ int64_t positive(const std::string& flag, const std::string& value) {
   errno = 0;
   const long long n = std::strtoll(value.c_str(), &end, 10);
   if (end == value.c_str() || *end != '\0' || errno != 0 || n < 1) bad_flag(flag, value, "an integer >= 1");
+  return n;
+}
+
+/// A size in MiB whose bytes fit in int64.
+int64_t megabytes(const std::string& flag, const std::string& value) {
+  const int64_t n = positive(flag, value);
+  if (n > (int64_t{1} << 42)) bad_flag(flag, value, "a size in MiB <= 2^42");
   return n;
 }
 
@@ -158,6 +176,15 @@ Options parse_flags(int argc, char** argv) {
       o.preempt = one_of({"swap", "recompute"}, "swap or recompute");
     } else if (flag == "--host-pages") {
       o.host_pages = positive(flag, v);
+    } else if (flag == "--prefix-host-mb") {
+      o.prefix_host_mb = megabytes(flag, v);
+    } else if (flag == "--prefix-disk") {
+      if (v.empty()) bad_flag(flag, v, "a directory");
+      o.prefix_disk = v;
+    } else if (flag == "--prefix-disk-mb") {
+      o.prefix_disk_mb = megabytes(flag, v);
+    } else if (flag == "--prefix-redis") {
+      o.prefix_redis = v;
     } else {
       llama::fail("command line: unknown flag ", flag, " (see --help)");
     }
@@ -244,6 +271,29 @@ int serve(const Options& o) {
   so.max_batch_tokens = o.max_batch_tokens;
   so.max_seqs = o.max_seqs;
   so.prefix_cache = o.prefix_cache;
+  // The tiers, fastest first: host memory, the disk, the shared server.
+  if ((o.prefix_host_mb > 0 || !o.prefix_disk.empty() || !o.prefix_redis.empty()) && !o.prefix_cache) {
+    llama::fail("command line: --prefix-host-mb, --prefix-disk and --prefix-redis need --prefix-cache on");
+  }
+  if (o.prefix_host_mb > 0) so.prefix_tiers.push_back(pagedkv::host_store(o.prefix_host_mb << 20));
+  if (!o.prefix_disk.empty()) {
+    try {
+      so.prefix_tiers.push_back(pagedkv::disk_store(o.prefix_disk, o.prefix_disk_mb << 20));
+    } catch (const c10::Error& e) {
+      llama::fail("command line: --prefix-disk ", o.prefix_disk, ": ", e.msg());
+    }
+  }
+  if (!o.prefix_redis.empty()) {
+#if PAGEDKV_LLAMA_WITH_REDIS
+    try {
+      so.prefix_tiers.push_back(pagedkv::redis_store(o.prefix_redis));
+    } catch (const c10::Error&) {
+      bad_flag("--prefix-redis", o.prefix_redis, "HOST:PORT");
+    }
+#else
+    llama::fail("command line: --prefix-redis: this llama was built without hiredis (libhiredis-dev)");
+#endif
+  }
   so.swap = o.preempt == "swap";
   so.keep_logits = !o.logits.empty();
   llama::Scheduler<Layout> scheduler(model, cache, host.get(), so, [&](llama::Finished&& f) {
@@ -266,6 +316,8 @@ int serve(const Options& o) {
   }
   const double serve_s = since(t_serve);
   const double serve_cpu_s = process_cpu_seconds() - cpu_serve;
+  // So that a later run (same --prefix-disk) or another engine (same server) finds them.
+  scheduler.persist_prefix();
   out.flush();
   if (!out) llama::fail(o.out.empty() ? std::string("stdout") : o.out, ": write error");
   if (!o.logits.empty()) {
@@ -298,6 +350,13 @@ int serve(const Options& o) {
   std::fprintf(stderr, "  prefix cache: %s, hit rate %.1f%% (%lld of %lld prompt tokens skipped)\n",
                o.prefix_cache ? "on" : "off", hit_rate, static_cast<long long>(s.prefix_hit_tokens),
                static_cast<long long>(s.prefix_query_tokens));
+  if (!so.prefix_tiers.empty()) {
+    std::string tiers;
+    for (const auto& [tier, n] : s.prefix_tier_hit_tokens) {
+      tiers += (tiers.empty() ? "" : ", ") + tier + " " + std::to_string(n);
+    }
+    std::fprintf(stderr, "  prefix tiers: prompt tokens loaded from %s\n", tiers.c_str());
+  }
   std::fprintf(stderr, "  preemptions: %lld swapped to the host cache, %lld recomputed (%lld tokens computed again)\n",
                static_cast<long long>(s.preempted_swap), static_cast<long long>(s.preempted_recompute),
                static_cast<long long>(s.recomputed_tokens));
@@ -318,6 +377,14 @@ int serve(const Options& o) {
     j["decode_seconds"] = s.decode_seconds;
     j["prefix_query_tokens"] = s.prefix_query_tokens;
     j["prefix_hit_tokens"] = s.prefix_hit_tokens;
+    int64_t from_tiers = 0;
+    for (const char* tier : {"host", "disk", "remote"}) {
+      const auto it = s.prefix_tier_hit_tokens.find(tier);
+      const int64_t n = it == s.prefix_tier_hit_tokens.end() ? 0 : it->second;
+      j[std::string("prefix_hit_tokens_") + tier] = n;
+      from_tiers += n;
+    }
+    j["prefix_hit_tokens_device"] = s.prefix_hit_tokens - from_tiers;
     j["preempted_swap"] = s.preempted_swap;
     j["preempted_recompute"] = s.preempted_recompute;
     j["chunks"] = s.chunks;

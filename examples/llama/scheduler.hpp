@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <functional>
 #include <memory>
 #include <set>
@@ -46,6 +47,7 @@ struct SchedulerOptions {
   int64_t max_batch_tokens = 2048;  ///< new tokens per step, over every sequence
   int64_t max_seqs = 256;           ///< running requests at most
   bool prefix_cache = true;
+  std::vector<std::shared_ptr<pagedkv::PageStore>> prefix_tiers;  ///< below the pool, fastest first (page_store.hpp)
   bool swap = true;          ///< preempt by swapping to the host cache (else by recomputing)
   bool keep_logits = false;  ///< keep the logits each generated token was chosen from
 };
@@ -68,6 +70,7 @@ struct SchedulerStats {
   int64_t generated_tokens = 0;
   int64_t prefix_query_tokens = 0;  ///< prompt tokens offered to the prefix cache at admissions
   int64_t prefix_hit_tokens = 0;    ///< of which the cache held K/V (their prefill skipped)
+  std::map<std::string, int64_t> prefix_tier_hit_tokens;  ///< of those, loaded from each tier (by PageStore::tier())
   int64_t preempted_swap = 0;
   int64_t preempted_recompute = 0;
   int64_t chunks = 0;            ///< prefill chunks that stopped short of the prompt's end
@@ -87,7 +90,7 @@ class Scheduler {
             SchedulerOptions options, std::function<void(Finished&&)> on_finished)
       : model_(model), cache_(cache), seqs_(cache), options_(options), on_finished_(std::move(on_finished)) {
     if (host != nullptr) host_seqs_ = std::make_unique<pagedkv::SequenceTable<Layout>>(*host);
-    if (options_.prefix_cache) prefix_ = std::make_unique<pagedkv::PrefixCache<Layout>>(seqs_);
+    if (options_.prefix_cache) prefix_ = std::make_unique<pagedkv::PrefixCache<Layout>>(seqs_, options_.prefix_tiers);
     for (int64_t id : model.config().eos_token_ids) eos_.insert(id);
   }
 
@@ -110,6 +113,10 @@ class Scheduler {
   const SchedulerStats& stats() const { return stats_; }
   /// Pages the prefix cache holds (0 without one).
   int64_t cached_pages() const { return prefix_ ? prefix_->n_cached() : 0; }
+  /// Before exit: the prefix cache's pages go down to its tiers (PrefixCache::persist).
+  void persist_prefix() {
+    if (prefix_) prefix_->persist();
+  }
 
   /// One engine step: schedule, run the model once, sample, retire the
   /// finished. False when there is nothing left to do.
@@ -193,6 +200,7 @@ class Scheduler {
       Active& w = *waiting_.front();
       const bool swapped = w.state == State::swapped;
       int64_t cached = 0;
+      pagedkv::PrefixStats tier_hits{};  // the tiers' counts before acquire
       if (swapped) {
         // Only when its next tokens fit as well: a request swapped in
         // without them would be swapped out again at the next step.
@@ -202,6 +210,7 @@ class Scheduler {
         if (!seqs_.swap_in(w.seq, *host_seqs_)) break;
         w.chain_pages = 0;  // fresh pages: none of them is the prefix cache's
       } else if (prefix_) {
+        tier_hits = prefix_->tiers().empty() ? pagedkv::PrefixStats{} : prefix_->stats();
         std::tie(w.seq, cached) = prefix_->acquire(w.token_tensor());
       } else {
         w.seq = seqs_.create();
@@ -218,6 +227,13 @@ class Scheduler {
         w.registers = true;
         stats_.prefix_query_tokens += static_cast<int64_t>(w.tokens.size());
         stats_.prefix_hit_tokens += cached;
+        if (prefix_ && !prefix_->tiers().empty()) {
+          const pagedkv::PrefixStats after = prefix_->stats();
+          for (size_t t = 0; t < after.tiers.size(); ++t) {
+            stats_.prefix_tier_hit_tokens[after.tiers[t].tier] +=
+                after.tiers[t].hit_tokens - tier_hits.tiers[t].hit_tokens;
+          }
+        }
         if (!w.admitted_before) stats_.prompt_tokens += w.n_prompt;
         w.admitted_before = true;
       }

@@ -13,6 +13,7 @@
 #include "pagedkv/ops/page_copy.hpp"
 #include "pagedkv/page_pool.hpp"
 #include "pagedkv/page_reclaimer.hpp"
+#include "pagedkv/page_store.hpp"
 #include "pagedkv/page_table.hpp"
 #include "pagedkv/paged_cache.hpp"
 #include "pagedkv/prefix_cache.hpp"

@@ -41,65 +41,75 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <functional>
 #include <limits>
+#include <memory>
+#include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "pagedkv/checks.hpp"
 #include "pagedkv/layouts.hpp"
 #include "pagedkv/page_reclaimer.hpp"
+#include "pagedkv/page_store.hpp"
+#include "pagedkv/prefix_hash.hpp"
 #include "pagedkv/sequences.hpp"
 
 namespace pagedkv {
 
+/// One tier's counts (PrefixStats::tiers).
+struct PrefixTierStats {
+  std::string tier;      // PageStore::tier()
+  int64_t hit_tokens;    // tokens acquire loaded from this tier (included in PrefixStats::hit_tokens)
+  int64_t loaded_pages;  // pages acquire loaded from this tier
+  int64_t stored_pages;  // pages this tier took: evicted from the device, or pushed out of the tier above
+};
+
 struct PrefixStats {
   int64_t lookups;         // acquire calls that succeeded
   int64_t query_tokens;    // tokens offered to those calls (after the max_tokens cap)
-  int64_t hit_tokens;      // tokens they got from the cache
+  int64_t hit_tokens;      // tokens they got from the cache (the device and every tier)
   int64_t inserted_pages;  // pages newly registered by insert
   int64_t evicted_pages;   // cached pages freed by eviction
+  std::vector<PrefixTierStats> tiers;  // one per tier, fastest first; the device's hits are hit_tokens less theirs
+};
+
+/// A change of what a tier holds, for routers that place requests where
+/// their prefix is (set_event_listener).
+struct PrefixEvent {
+  enum class Type {
+    stored,   // the tier now holds the page
+    removed,  // the tier no longer holds the page
+    cleared,  // the tier holds no page at all (after clear() emptied the device)
+  };
+  Type type;
+  uint64_t hash;         // the page's chained hash (prefix_hash: salt seed, then every page's tokens); 0 for cleared
+  uint64_t parent_hash;  // the previous page's chained hash; 0 for a prompt's first page and for cleared
+  int64_t n_tokens;      // tokens from position 0 to the page's end; 0 for cleared
+  std::string tier;      // "device", or the store's PageStore::tier(): "host", "disk", "remote"
 };
 
 /// The hash that picks a page's candidates: seed (the salt's seed for a
 /// prompt's first page, else the parent's hash) and the page's tokens [n_tokens].
 using PrefixPageHash = uint64_t (*)(uint64_t seed, const int64_t* tokens, int64_t n_tokens);
 
-namespace detail {
-
-inline uint64_t mix(uint64_t x) noexcept {  // murmur3's finaliser: every bit reaches the low (slot) bits
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
-
-/// Fast, not cryptographic: collisions only cost a token comparison.
-/// Two independent lanes halve the multiply chain's latency.
-inline uint64_t page(uint64_t seed, const int64_t* tokens, int64_t n_tokens) noexcept {
-  uint64_t a = seed;
-  uint64_t b = seed ^ 0x9e3779b97f4a7c15ULL;
-  int64_t i = 0;
-  for (; i + 1 < n_tokens; i += 2) {
-    a = (a ^ static_cast<uint64_t>(tokens[i])) * 0x100000001b3ULL;
-    b = (b ^ static_cast<uint64_t>(tokens[i + 1])) * 0xc6a4a7935bd1e995ULL;
-  }
-  if (i < n_tokens) a = (a ^ static_cast<uint64_t>(tokens[i])) * 0x100000001b3ULL;
-  return mix(a ^ (b >> 1) ^ static_cast<uint64_t>(n_tokens));
-}
-
-inline uint64_t salt_seed(uint64_t salt) noexcept { return mix(salt ^ 0x5bd1e9955bd1e995ULL); }
-
-}  // namespace detail
-
 template <class Layout = NHD>
 class PrefixCache final : private PageReclaimer {
  public:
-  explicit PrefixCache(SequenceTable<Layout>& seqs)
+  explicit PrefixCache(SequenceTable<Layout>& seqs) : PrefixCache(seqs, std::vector<std::shared_ptr<PageStore>>{}) {}
+
+  /// With tiers below the pool, fastest first (page_store.hpp): evicted
+  /// pages go down to tiers[0], and acquire continues a device match
+  /// through them. The stores may be shared with other caches.
+  PrefixCache(SequenceTable<Layout>& seqs, std::vector<std::shared_ptr<PageStore>> tiers)
       : seqs_(&seqs),
         page_size_(seqs.cache().page_size()),
-        node_of_page_(static_cast<size_t>(seqs.cache().n_pages()), kNone) {
+        node_of_page_(static_cast<size_t>(seqs.cache().n_pages()), kNone),
+        tiers_(checked_tiers(std::move(tiers))),
+        geometry_(page_store::Geometry::of(seqs.cache())) {
+    for (const auto& t : tiers_) stats_.tiers.push_back(PrefixTierStats{t->tier(), 0, 0, 0});
     TORCH_CHECK(seqs.reclaimer_ == nullptr, "pagedkv::PrefixCache<", Layout::name,
                 ">: argument 'seqs' expected a table without a prefix cache, got one that already has one");
     grow_index(16);
@@ -134,27 +144,52 @@ class PrefixCache final : private PageReclaimer {
     const checks::Caller caller{"PrefixCache", Layout::name, "acquire"};
     const at::Tensor ids = token_ids(caller, tokens);
     const int64_t cap = capped(caller, ids, max_tokens);
+    const int64_t* data = ids.data_ptr<int64_t>();
+    const int64_t cap_pages = cap / page_size_;
     std::vector<int32_t> chain;
-    const int64_t n_matched = match(ids.data_ptr<int64_t>(), cap / page_size_, salt, &chain);
-    std::vector<int64_t> pages(static_cast<size_t>(n_matched));
+    const int64_t n_device = match(data, cap_pages, salt, &chain);
+    std::vector<int64_t> pages(static_cast<size_t>(n_device));
     for (size_t j = 0; j < chain.size(); ++j) pages[j] = nodes_[static_cast<size_t>(chain[j])].page;
     PagePool& pool = this->pool();
+    // Room for every page the tiers could add, so that nothing below throws
+    // but the ref_count limit (std::bad_alloc here: nothing changed yet).
+    const int64_t n_more = tiers_.empty() ? 0 : std::min(cap_pages - n_device, pool.n_pages());
+    reserve_nodes(n_more);
+    pages.reserve(pages.size() + static_cast<size_t>(n_more));
+    chain.reserve(chain.size() + static_cast<size_t>(n_more));
     pool.retain_all(pages);  // all or nothing (throws at the ref_count limit)
+    // Held, the device match cannot be evicted to make room for the loaded pages.
+    for (const int32_t x : chain) set_held(x, true);
+    if (n_more > 0) load_from_tiers(data, cap_pages, salt, chain, pages);
     int64_t seq = -1;
     try {
-      seq = seqs_->adopt(pages, n_matched * page_size_);
+      seq = seqs_->adopt(pages, static_cast<int64_t>(pages.size()) * page_size_);
     } catch (...) {
+      // Loaded pages stay cached (valid K/V); the sequence's references go.
       pool.free_all(pages);
+      for (const int32_t x : chain) {
+        if (pool.ref_count(nodes_[static_cast<size_t>(x)].page) == 1) set_held(x, false);
+      }
       throw;
     }
     // From here on nothing throws.
-    for (const int32_t x : chain) set_held(x, true);
+    const int64_t n_matched = static_cast<int64_t>(pages.size());
     touch(chain);
     ++stats_.lookups;
     stats_.query_tokens += cap;
     stats_.hit_tokens += n_matched * page_size_;
     return {seq, n_matched * page_size_};
   }
+
+  /// Calls `listener` on every change of what the device or a tier holds
+  /// (PrefixEvent), synchronously, from the call that makes it (which may
+  /// be in the middle of its work: the listener must not call the cache);
+  /// an empty function stops the events. A listener that throws is warned
+  /// about and ignored.
+  void set_event_listener(std::function<void(const PrefixEvent&)> listener) { listener_ = std::move(listener); }
+
+  /// The tiers, fastest first.
+  const std::vector<std::shared_ptr<PageStore>>& tiers() const noexcept { return tiers_; }
 
   /// Registers the full pages sequence `seq` has written (pages before
   /// length(seq) / page_size) under `tokens` (at least length(seq) of them)
@@ -176,7 +211,7 @@ class PrefixCache final : private PageReclaimer {
     std::vector<uint64_t> hashes(static_cast<size_t>(n));
     std::vector<int64_t> fresh;  // pages to register, in position order
     int32_t prev = kNone;
-    uint64_t seed = detail::salt_seed(salt);
+    uint64_t seed = prefix_hash::salt_seed(salt);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t* page_tokens = data + j * page_size_;
       const uint64_t h = hash_(seed, page_tokens, page_size_);
@@ -205,6 +240,7 @@ class PrefixCache final : private PageReclaimer {
       if (x != kNone) continue;
       x = add_node(held[static_cast<size_t>(j)], j == 0 ? kNone : chain[static_cast<size_t>(j - 1)], salt,
                    hashes[static_cast<size_t>(j)], data + j * page_size_);
+      if (listener_) emit(PrefixEvent::Type::stored, x, kDevice);
     }
     touch(chain);
     stats_.inserted_pages += n_fresh;
@@ -218,8 +254,38 @@ class PrefixCache final : private PageReclaimer {
     return evict_lru(n_pages);
   }
 
-  /// Frees every evictable page, repeatedly, until none is left.
-  void clear() { evict_lru(std::numeric_limits<int64_t>::max()); }
+  /// Frees every evictable page, repeatedly, until none is left (each goes
+  /// down to the tiers as any evicted page does).
+  void clear() {
+    evict_lru(std::numeric_limits<int64_t>::max());
+    if (n_live_ == 0 && listener_) notify(PrefixEvent{PrefixEvent::Type::cleared, 0, 0, 0, kDevice});
+  }
+
+  /// Before the process ends (or the tiers are handed to another engine):
+  /// evicts every evictable page, as clear() does, then moves every entry
+  /// of a tier whose memory dies with the process (PageStore::drain: host
+  /// memory) down to the next tier, so that a later process, or another
+  /// engine on the same disk or server, finds them. The last tier keeps
+  /// its entries. Returns the entries moved from one tier to the next.
+  int64_t persist() {
+    clear();
+    int64_t moved = 0;
+    for (size_t t = 0; t + 1 < tiers_.size(); ++t) {
+      std::vector<StoredPage> drained;
+      try {
+        drained = tiers_[t]->drain();
+      } catch (const std::exception& ex) {
+        warn("tier '", stats_.tiers[t].tier, "' threw on drain (", ex.what(), "): its entries stay there");
+        continue;
+      }
+      for (StoredPage& page : drained) {
+        if (listener_) emit_entry(PrefixEvent::Type::removed, page.entry, t);
+        put_down(t + 1, std::move(page));
+        ++moved;
+      }
+    }
+    return moved;
+  }
 
   /// Pages the cache holds a reference on.
   int64_t n_cached() const noexcept { return n_live_; }
@@ -228,8 +294,13 @@ class PrefixCache final : private PageReclaimer {
   /// Cached pages repeated eviction can free now (>= n_evictable()): what the attached table may take.
   int64_t n_reclaimable() const noexcept override { return n_reclaimable_; }
 
-  PrefixStats stats() const noexcept { return stats_; }
-  void reset_stats() noexcept { stats_ = PrefixStats{}; }
+  PrefixStats stats() const { return stats_; }
+  void reset_stats() noexcept {
+    std::vector<PrefixTierStats> tiers = std::move(stats_.tiers);
+    for (PrefixTierStats& t : tiers) t.hit_tokens = t.loaded_pages = t.stored_pages = 0;
+    stats_ = PrefixStats{};
+    stats_.tiers = std::move(tiers);
+  }
 
   /// Audits the whole structure against the pool and the table with full
   /// scans (for tests and debugging): every cached page is allocated and
@@ -276,7 +347,7 @@ class PrefixCache final : private PageReclaimer {
         ++children[static_cast<size_t>(x.parent)];
         if (!x.reclaimable) ++blocking[static_cast<size_t>(x.parent)];
       }
-      const uint64_t seed = x.parent == kNone ? detail::salt_seed(x.salt) : nodes_[static_cast<size_t>(x.parent)].hash;
+      const uint64_t seed = x.parent == kNone ? prefix_hash::salt_seed(x.salt) : nodes_[static_cast<size_t>(x.parent)].hash;
       if (hash_(seed, tokens_of(static_cast<int32_t>(i)), page_size_) != x.hash)
         fail("node ", i, " (page ", x.page, ") has a stale hash");
       if (find(x.hash, x.parent, x.salt, tokens_of(static_cast<int32_t>(i))) != static_cast<int32_t>(i))
@@ -341,6 +412,7 @@ class PrefixCache final : private PageReclaimer {
 
   struct Node {
     uint64_t hash = 0;
+    uint64_t store_key = 0;  // PageKey::hash in the tiers (computed only when there are tiers)
     uint64_t salt = 0;
     int64_t page = -1;
     int32_t parent = kNone;   // the cached page before this one; kNone for a prompt's first page
@@ -348,6 +420,7 @@ class PrefixCache final : private PageReclaimer {
     int32_t n_blocking = 0;   // of those, the ones not reclaimable
     int32_t older = kNone;    // LRU list links
     int32_t newer = kNone;
+    int32_t depth = 0;        // pages from the prompt's first to this one, both included
     bool live = false;
     bool held = false;         // ref_count > 1: a sequence holds the page too
     bool reclaimable = false;  // !held and every child reclaimable
@@ -394,7 +467,7 @@ class PrefixCache final : private PageReclaimer {
   /// match and, when `chain` is given, their nodes in order.
   int64_t match(const int64_t* tokens, int64_t n_pages, uint64_t salt, std::vector<int32_t>* chain) const {
     int32_t prev = kNone;
-    uint64_t seed = detail::salt_seed(salt);
+    uint64_t seed = prefix_hash::salt_seed(salt);
     int64_t j = 0;
     for (; j < n_pages; ++j) {
       const int64_t* page_tokens = tokens + j * page_size_;
@@ -477,9 +550,15 @@ class PrefixCache final : private PageReclaimer {
     Node& n = nodes_[static_cast<size_t>(x)];
     n = Node{};
     n.hash = h;
+    if (!tiers_.empty()) {
+      const uint64_t previous = parent == kNone ? page_store::key_seed(geometry_, salt)
+                                                : nodes_[static_cast<size_t>(parent)].store_key;
+      n.store_key = page_store::next_key(previous, tokens, page_size_).hash;
+    }
     n.salt = salt;
     n.page = page;
     n.parent = parent;
+    n.depth = parent == kNone ? 1 : nodes_[static_cast<size_t>(parent)].depth + 1;
     n.live = true;
     n.held = true;
     std::memcpy(tokens_.data() + static_cast<size_t>(x) * page_size_, tokens,
@@ -500,6 +579,7 @@ class PrefixCache final : private PageReclaimer {
   /// Evicts node x (evictable: a reclaimable leaf).
   void remove(int32_t x) noexcept {
     Node& n = nodes_[static_cast<size_t>(x)];
+    if (!tiers_.empty() || listener_) note_eviction(x);
     pool().free(n.page);  // the only reference: the page is free again
     node_of_page_[static_cast<size_t>(n.page)] = kNone;
     index_erase(n.hash, x);
@@ -534,6 +614,7 @@ class PrefixCache final : private PageReclaimer {
       }
       x = next;
     }
+    if (!evicted_.empty()) write_down();
     return freed;
   }
 
@@ -588,6 +669,227 @@ class PrefixCache final : private PageReclaimer {
     }
   }
 
+
+  // ---- tiers and events ----
+
+  static constexpr const char* kDevice = "device";
+
+  static std::vector<std::shared_ptr<PageStore>> checked_tiers(std::vector<std::shared_ptr<PageStore>> tiers) {
+    const checks::Caller caller{"PrefixCache", Layout::name, "PrefixCache"};
+    for (size_t i = 0; i < tiers.size(); ++i) {
+      TORCH_CHECK(tiers[i] != nullptr, caller, ": argument 'tiers' expected stores, got a null pointer at index ", i);
+      for (size_t j = 0; j < i; ++j) {
+        TORCH_CHECK(tiers[j] != tiers[i], caller, ": argument 'tiers' expected distinct stores, got one store at ",
+                    "indices ", j, " and ", i);
+      }
+    }
+    return tiers;
+  }
+
+  /// A warning that cannot throw (a warning handler may turn warnings into errors).
+  template <class... Args>
+  static void warn(const Args&... parts) noexcept {
+    try {
+      TORCH_WARN("pagedkv::PrefixCache<", Layout::name, ">: ", parts...);
+    } catch (...) {
+    }
+  }
+
+  void notify(const PrefixEvent& event) noexcept {
+    try {
+      listener_(event);
+    } catch (const std::exception& e) {
+      warn("the event listener threw (ignored): ", e.what());
+    } catch (...) {
+      warn("the event listener threw (ignored)");
+    }
+  }
+
+  /// An event about cached node x.
+  void emit(PrefixEvent::Type type, int32_t x, const std::string& tier) noexcept {
+    const Node& n = nodes_[static_cast<size_t>(x)];
+    try {
+      notify(PrefixEvent{type, n.hash, n.parent == kNone ? 0 : nodes_[static_cast<size_t>(n.parent)].hash,
+                         static_cast<int64_t>(n.depth) * page_size_, tier});
+    } catch (...) {  // the tier's name could not be copied
+    }
+  }
+
+  /// An event about a tier's entry, from its header (nothing for an entry without one).
+  void emit_entry(PrefixEvent::Type type, const at::Tensor& entry, size_t t) noexcept {
+    try {
+      page_store::Header h{};
+      if (!page_store::read_header(entry, &h)) return;
+      notify(PrefixEvent{type, h.page_hash, h.parent_hash, h.n_tokens, stats_.tiers[t].tier});
+    } catch (...) {
+    }
+  }
+
+  /// A page that eviction freed, described before its node went, so that
+  /// write_down can store it once the walk is over.
+  struct Evicted {
+    int64_t page;
+    uint64_t hash;
+    uint64_t parent_hash;
+    uint64_t salt;
+    uint64_t store_key;
+    int64_t n_tokens;
+    std::vector<int64_t> tokens;  // [n_tokens] when there are tiers
+  };
+
+  void note_eviction(int32_t x) noexcept {
+    const Node& n = nodes_[static_cast<size_t>(x)];
+    try {
+      Evicted e{n.page, n.hash, n.parent == kNone ? 0 : nodes_[static_cast<size_t>(n.parent)].hash, n.salt,
+                n.store_key, static_cast<int64_t>(n.depth) * page_size_, {}};
+      if (!tiers_.empty()) {
+        e.tokens.resize(static_cast<size_t>(e.n_tokens));
+        // Its ancestors are still cached: a parent is evicted after its children.
+        for (int32_t a = x; a != kNone; a = nodes_[static_cast<size_t>(a)].parent) {
+          const int64_t at = static_cast<int64_t>(nodes_[static_cast<size_t>(a)].depth - 1) * page_size_;
+          std::memcpy(e.tokens.data() + at, tokens_of(a), static_cast<size_t>(page_size_) * sizeof(int64_t));
+        }
+      }
+      evicted_.push_back(std::move(e));
+    } catch (...) {
+      warn("out of memory describing evicted page ", n.page, ": it is dropped, not stored in a tier");
+    }
+  }
+
+  /// Announces the pages eviction just freed and stores them in the first
+  /// tier. Their K/V are still in the pool's storage: nothing has been
+  /// allocated since they were freed.
+  void write_down() noexcept {
+    std::vector<Evicted> evicted;
+    evicted.swap(evicted_);
+    for (const Evicted& e : evicted) {
+      if (listener_) {
+        try {
+          notify(PrefixEvent{PrefixEvent::Type::removed, e.hash, e.parent_hash, e.n_tokens, kDevice});
+        } catch (...) {
+        }
+      }
+      if (tiers_.empty() || static_cast<int64_t>(e.tokens.size()) != e.n_tokens) continue;
+      StoredPage stored{PageKey{e.store_key}, at::Tensor()};
+      try {
+        stored.entry = page_store::encode(seqs_->cache(), e.page,
+                                          page_store::Identity{stored.key, e.hash, e.parent_hash, e.salt,
+                                                               e.tokens.data(), e.n_tokens});
+      } catch (const std::exception& ex) {
+        warn("could not copy evicted page ", e.page, " out of the pool (", ex.what(), "): not stored in a tier");
+        continue;
+      }
+      put_down(0, std::move(stored));
+    }
+  }
+
+  /// Puts an entry into tier t; what it pushes out (or refuses) goes to the
+  /// next tier, and the last tier's push-outs are dropped.
+  void put_down(size_t t, StoredPage page) noexcept {
+    std::vector<StoredPage> pushed;
+    const bool want = t + 1 < tiers_.size() || static_cast<bool>(listener_);
+    bool ok = false;
+    try {
+      ok = tiers_[t]->put(page.key, page.entry, want ? &pushed : nullptr);
+    } catch (const std::exception& ex) {
+      warn("tier '", stats_.tiers[t].tier, "' threw on put (", ex.what(), "): the entry is not stored there");
+    } catch (...) {
+      warn("tier '", stats_.tiers[t].tier, "' threw on put: the entry is not stored there");
+    }
+    if (ok) {
+      ++stats_.tiers[t].stored_pages;
+      if (listener_) emit_entry(PrefixEvent::Type::stored, page.entry, t);
+    } else if (t + 1 < tiers_.size()) {
+      put_down(t + 1, std::move(page));
+    }
+    for (StoredPage& p : pushed) {
+      if (listener_) emit_entry(PrefixEvent::Type::removed, p.entry, t);
+      if (t + 1 < tiers_.size()) put_down(t + 1, std::move(p));
+    }
+  }
+
+  /// The verified entry of page j of `tokens` (key, chained hash h) from
+  /// the fastest tier that has one, and that tier; an undefined tensor when
+  /// none has. An entry that fails verification (corrupt, truncated,
+  /// foreign) is removed from its tier with a warning, and the next tier is
+  /// asked. A store that throws is a miss there.
+  std::pair<at::Tensor, size_t> tier_lookup(const int64_t* tokens, int64_t j, uint64_t salt, uint64_t key, uint64_t h,
+                                            uint64_t parent_hash) {
+    for (size_t t = 0; t < tiers_.size(); ++t) {
+      const std::string& name = stats_.tiers[t].tier;
+      at::Tensor entry;
+      bool check_sum = true;
+      try {
+        entry = tiers_[t]->get(PageKey{key});
+        check_sum = !tiers_[t]->in_process();
+      } catch (const std::exception& ex) {
+        warn("tier '", name, "' threw on get (", ex.what(), "): a miss");
+        continue;
+      }
+      if (!entry.defined()) continue;
+      std::string why;
+      if (page_store::verify(entry, geometry_, PageKey{key}, salt, tokens, (j + 1) * page_size_, &why, check_sum) ==
+          page_store::Verdict::ok)
+        return {std::move(entry), t};
+      warn("tier '", name, "' entry ", PageKey{key}.name(), " is not used: ", why, "; removed (a miss)");
+      try {
+        tiers_[t]->erase(PageKey{key});
+      } catch (...) {
+      }
+      if (listener_) notify(PrefixEvent{PrefixEvent::Type::removed, h, j == 0 ? 0 : parent_hash, (j + 1) * page_size_, name});
+    }
+    return {at::Tensor(), 0};
+  }
+
+  /// Continues a device match (chain, pages; held) through the tiers, page
+  /// by page, fastest tier first, while the pool has room (free pages, or
+  /// evictable ones: eviction makes room as for any allocation, and never
+  /// takes the match, which is held). Each page found is allocated, gets its
+  /// K/V and is cached after the previous one, held by the acquiring
+  /// sequence (ref_count 2); its node and page are appended to chain and
+  /// pages. One page at a time, so that one entry at a time is in memory.
+  /// Node capacity is reserved.
+  void load_from_tiers(const int64_t* tokens, int64_t n_pages, uint64_t salt, std::vector<int32_t>& chain,
+                       std::vector<int64_t>& pages) noexcept {
+    PagePool& pool = this->pool();
+    const bool first = chain.empty();
+    uint64_t h = first ? prefix_hash::salt_seed(salt) : nodes_[static_cast<size_t>(chain.back())].hash;
+    uint64_t key = first ? page_store::key_seed(geometry_, salt) : nodes_[static_cast<size_t>(chain.back())].store_key;
+    for (int64_t j = static_cast<int64_t>(chain.size()); j < n_pages; ++j) {
+      if (pool.n_free() + n_reclaimable_ == 0) return;  // the pool is short: the match stops here
+      const int64_t* page_tokens = tokens + j * page_size_;
+      const uint64_t parent_hash = h;
+      h = hash_(h, page_tokens, page_size_);
+      key = page_store::next_key(key, page_tokens, page_size_).hash;
+      at::Tensor entry;
+      size_t tier = 0;
+      try {
+        std::tie(entry, tier) = tier_lookup(tokens, j, salt, key, h, parent_hash);
+      } catch (const std::exception& ex) {  // out of memory reading an entry
+        warn("could not read a tier entry (", ex.what(), "): a miss");
+        return;
+      }
+      if (!entry.defined()) return;
+      if (pool.n_free() == 0) evict_lru(1);
+      const int64_t page = pool.alloc();
+      try {
+        page_store::load(seqs_->cache(), page, entry);
+      } catch (const std::exception& ex) {
+        warn("could not copy a tier entry into page ", page, " (", ex.what(), "): a miss");
+        pool.free(page);
+        return;
+      }
+      pool.retain(page);  // the cache's reference; the allocation's is the sequence's
+      const int32_t x = add_node(page, chain.empty() ? kNone : chain.back(), salt, h, page_tokens);
+      chain.push_back(x);
+      pages.push_back(page);
+      PrefixTierStats& st = stats_.tiers[tier];
+      st.hit_tokens += page_size_;
+      ++st.loaded_pages;
+      if (listener_) emit(PrefixEvent::Type::stored, x, kDevice);
+    }
+  }
+
   // ---- PageReclaimer: the attached table's hook ----
 
   void reclaim(int64_t n_pages) noexcept override { evict_lru(n_pages); }
@@ -603,7 +905,7 @@ class PrefixCache final : private PageReclaimer {
 
   SequenceTable<Layout>* seqs_;
   int64_t page_size_;
-  PrefixPageHash hash_ = &detail::page;
+  PrefixPageHash hash_ = &prefix_hash::page;
   std::vector<Node> nodes_;           // slots; !live ones are listed in free_nodes_
   std::vector<int64_t> tokens_;       // [nodes_.size(), page_size]: each node's tokens
   std::vector<int32_t> free_nodes_;
@@ -616,6 +918,10 @@ class PrefixCache final : private PageReclaimer {
   int64_t n_evictable_ = 0;
   int64_t n_reclaimable_ = 0;
   PrefixStats stats_{};
+  std::vector<std::shared_ptr<PageStore>> tiers_;  // fastest first
+  page_store::Geometry geometry_;                  // what the tiers' entries must match
+  std::function<void(const PrefixEvent&)> listener_;
+  std::vector<Evicted> evicted_;  // freed by the eviction in progress, for write_down
 };
 
 }  // namespace pagedkv

@@ -64,6 +64,86 @@ def write_model(d, config, rng):
     write_safetensors(os.path.join(d, "model.safetensors"), tensors(config, rng))
 
 
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_tiers(a, m, run, bad, requests, failures):
+    """Prefix tiers: tokens never change; a pool too small to keep every
+    prefix hits host memory; a second process hits what the first left on
+    the disk or on a Redis server (started here when redis-server exists)."""
+    import time
+    stem = [3, 9, 27, 31, 12, 5, 44, 8, 19, 23, 2, 40]
+    lines = [json.dumps({"id": f"r{i}", "prompt": stem + [10 + i, 20 + i, 30 + i], "max_new_tokens": 3})
+             for i in range(6)]
+    # Between the two that share stem + a tail, others push the first's pages out of a 6-page pool.
+    other = [json.dumps({"id": f"o{i}", "prompt": [45 - j for j in range(14)] + [i], "max_new_tokens": 2})
+             for i in range(3)]
+    reqs = requests("tiers.jsonl", "\n".join([lines[0]] + other + lines[1:]) + "\n")
+    base = m + ["--requests", reqs, "--threads", "1", "--page-size", "4", "--max-seqs", "1", "--quiet"]
+
+    def tokens_and_stats(extra, what):
+        stats = os.path.join(a.work, "tiers-stats.json")
+        rc, out, err = run(base + ["--stats", stats] + extra)
+        if rc != 0:
+            failures.append(f"{what}: exit {rc}: {err}")
+            return None, {}
+        with open(stats) as f:
+            return {r["id"]: r["tokens"] for r in map(json.loads, out.splitlines())}, json.load(f)
+
+    def check(what, got, stats, key, want_hits):
+        ok = got == reference and stats.get(key, 0) >= want_hits and \
+            stats["prefix_hit_tokens"] == sum(stats[f"prefix_hit_tokens_{t}"] for t in
+                                              ("device", "host", "disk", "remote"))
+        print(f"{'ok  ' if ok else 'FAIL'} {what}: {key} {stats.get(key)}, tokens {'equal' if got == reference else 'DIFFER'}")
+        if not ok:
+            failures.append(f"{what}: {key} = {stats.get(key)} (want >= {want_hits}), tokens {got} vs {reference}")
+
+    reference, _ = tokens_and_stats(["--prefix-cache", "off"], "tiers reference")
+    got, stats = tokens_and_stats(["--n-pages", "6", "--prefix-host-mb", "1"], "host tier")
+    check("host tier, pool too small for every prefix", got, stats, "prefix_hit_tokens_host", 4)
+    disk = os.path.join(a.work, "tiers-disk")
+    shutil.rmtree(disk, ignore_errors=True)
+    got, stats = tokens_and_stats(["--prefix-host-mb", "1", "--prefix-disk", disk], "disk tier, first run")
+    check("disk tier, first run", got, stats, "prefix_hit_tokens_disk", 0)
+    got, stats = tokens_and_stats(["--prefix-disk", disk, "--prefix-disk-mb", "4"], "disk tier, second run")
+    check("disk tier, a second process", got, stats, "prefix_hit_tokens_disk", 12)
+    bad("--prefix-disk-mb 0", base + ["--prefix-disk", disk, "--prefix-disk-mb", "0"], ["--prefix-disk-mb"])
+    bad("--prefix-disk on a file", base + ["--prefix-disk", reqs], ["--prefix-disk", "expected a directory"])
+    bad("--prefix-redis without a port", base + ["--prefix-redis", "localhost"], ["--prefix-redis"])
+    bad("tiers without a prefix cache", base + ["--prefix-host-mb", "1", "--prefix-cache", "off"],
+        ["need --prefix-cache on"])
+    server = shutil.which("redis-server")
+    rc, _, err = run(base + ["--prefix-redis", "127.0.0.1:1"])
+    if rc == 2 and "built without hiredis" in err:
+        print("skip Redis tier: llama was built without hiredis")
+        return
+    if server is None:
+        print("skip Redis tier: no redis-server")
+        return
+    port = free_port()
+    redis_dir = os.path.join(a.work, "tiers-redis")
+    os.makedirs(redis_dir, exist_ok=True)
+    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--dir", redis_dir, "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        address = f"127.0.0.1:{port}"
+        got, stats = tokens_and_stats(["--prefix-redis", address], "Redis tier, first engine")
+        check("Redis tier, first engine", got, stats, "prefix_hit_tokens_remote", 0)
+        got, stats = tokens_and_stats(["--prefix-redis", address], "Redis tier, second engine")
+        check("Redis tier, a second engine", got, stats, "prefix_hit_tokens_remote", 12)
+    finally:
+        proc.kill()
+        proc.wait()
+    # The server gone: misses with a warning, the same tokens.
+    got, stats = tokens_and_stats(["--prefix-redis", address], "Redis tier, server gone")
+    check("Redis tier, server gone", got, stats, "prefix_hit_tokens_remote", 0)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama", required=True)
@@ -158,6 +238,7 @@ def main():
     print(f"{'ok  ' if ok else 'FAIL'} --dtype float16: exit {rc}")
     if not ok:
         failures.append(f"--dtype float16: exit {rc}, stderr {err}")
+    check_tiers(a, m, run, bad, requests, failures)
     empty = requests("empty.jsonl", "\n")
     rc, out, err = run(m + ["--requests", empty])
     if rc != 0 or out:

@@ -1,0 +1,920 @@
+// Prefix tiers: where the pages a PrefixCache evicts go instead of being
+// lost, and where a later match finds them again (docs/tiers.md).
+//
+// - PageStore: one tier below the device pool, a map from PageKey to an
+//   entry (a CPU byte tensor) with a budget. The interface is small so that
+//   an engine can add its own (an object store, a transfer engine): a store
+//   keeps bytes and never interprets them; the prefix cache builds every
+//   entry and checks every entry it reads back.
+// - host_store: host memory, LRU within max_bytes. disk_store: one file per
+//   entry in a directory, LRU within max_bytes, readable by a later process
+//   and by several at once. pagedkv/stores/redis.hpp: redis_store.
+// - PageKey: a 64-bit hash of the cache's geometry, dtype and formats, the
+//   salt and every token from position 0 to the page's end. It only names an
+//   entry: the entry repeats all of that, and a load compares it in full, so
+//   a hash collision or a store shared by other models is a miss, never K/V.
+// - Entry format (page_store::): a header, the tokens, the payload (every
+//   layer's K, its scales when quantized, V, its scales) in a
+//   layout-independent order (token-major: an HND page loads into an NHD
+//   cache) and a checksum of everything before it. Corrupt, truncated and
+//   foreign entries are misses; the cache removes them and warns.
+// - Failures inside a store (a full disk, an unreachable server) are misses
+//   or refused puts with a warning: a store never throws into the engine.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "pagedkv/checks.hpp"
+#include "pagedkv/kv_format.hpp"
+#include "pagedkv/layouts.hpp"
+#include "pagedkv/paged_cache.hpp"
+#include "pagedkv/prefix_hash.hpp"
+
+namespace pagedkv {
+
+/// Names one page's entry in every store. Equal keys for equal (geometry,
+/// dtype, formats, salt, tokens up to the page's end); a key alone never
+/// decides a match (the entry's contents are compared).
+struct PageKey {
+  uint64_t hash = 0;
+
+  /// 16 lowercase hex digits: a file name, a Redis key's suffix.
+  std::string name() const {
+    char text[17];
+    std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(hash));
+    return text;
+  }
+  bool operator==(const PageKey& other) const noexcept { return hash == other.hash; }
+  bool operator!=(const PageKey& other) const noexcept { return hash != other.hash; }
+};
+
+/// An entry a store gave back to the cache (pushed out by its budget).
+struct StoredPage {
+  PageKey key;
+  at::Tensor entry;  // 1-D kByte, contiguous, on the CPU
+};
+
+/// One tier below the device pool. Entries are 1-D contiguous kByte CPU
+/// tensors that the store keeps as they are (it may keep the tensor itself:
+/// the cache never writes to an entry after put). Implementations must not
+/// throw for their own failures (I/O, network): they warn and miss or refuse;
+/// the prefix cache still catches anything thrown and treats it as a miss.
+/// A store is shared through shared_ptr and may be used by several caches.
+class PageStore {
+ public:
+  virtual ~PageStore() = default;
+
+  /// The tier's name in events and stats: "host", "disk", "remote", or an
+  /// engine's own.
+  virtual std::string tier() const = 0;
+
+  /// Keeps `entry` under `key`, replacing any entry with that key. To stay
+  /// within its budget it drops least recently used entries, and appends
+  /// them to `pushed_out` (least recently used first) when that is not
+  /// null, so that the next tier can keep them. Returns false, keeping
+  /// nothing, when it cannot keep the entry (larger than the budget, a full
+  /// disk, a server that does not answer).
+  virtual bool put(const PageKey& key, const at::Tensor& entry, std::vector<StoredPage>* pushed_out) = 0;
+
+  /// The entry under `key`, marked used; an undefined tensor on a miss.
+  virtual at::Tensor get(const PageKey& key) = 0;
+
+  /// Removes the entry under `key`, if any (the cache found it corrupt or foreign).
+  virtual void erase(const PageKey& key) = 0;
+
+  /// Removes and returns every entry, least recently used first, when the
+  /// store's memory dies with the process (host memory), so that its
+  /// entries can move to a tier that outlives it; stores that persist keep
+  /// theirs and return nothing.
+  virtual std::vector<StoredPage> drain() { return {}; }
+
+  /// Whether every entry get() returns is a tensor that put() was given in
+  /// this process (host memory): nothing between the two can corrupt it, so
+  /// the cache skips its checksum on load (it still compares the geometry,
+  /// the salt and the tokens). Stores that copy bytes anywhere say false.
+  virtual bool in_process() const { return false; }
+
+ protected:
+  PageStore() = default;
+  PageStore(const PageStore&) = default;
+  PageStore& operator=(const PageStore&) = default;
+};
+
+namespace page_store {
+
+/// What an entry holds besides its payload (all fixed-size fields, in the
+/// host's byte order: on a host of the other order the magic differs and
+/// every entry is foreign).
+struct Header {
+  char magic[8];          // kMagic
+  uint64_t key;           // PageKey::hash
+  uint64_t page_hash;     // the prefix cache's chained hash of the page (for events)
+  uint64_t parent_hash;   // its parent's; 0 for a prompt's first page
+  int64_t n_layers;
+  int64_t page_size;
+  int64_t n_kv_heads;
+  int64_t head_dim;
+  int32_t dtype;          // dtype_code()
+  int32_t k_format;       // KVFormat
+  int32_t v_format;
+  int32_t reserved;       // 0
+  uint64_t salt;
+  int64_t n_tokens;       // tokens from position 0 to the page's end
+  uint64_t payload_bytes;
+};
+static_assert(sizeof(Header) == 104, "the entry header is 104 bytes with no padding");
+
+constexpr char kMagic[8] = {'P', 'K', 'V', 'P', 'A', 'G', 'E', '1'};
+constexpr uint64_t kFormatVersion = 1;  // part of every key: a new format never reads an old entry
+
+/// A stable code per dtype (c10's enum numbering is not a file format).
+inline int32_t dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 1;
+    case at::kHalf: return 2;
+    case at::kBFloat16: return 3;
+    case at::kDouble: return 4;
+    default: return 1000 + static_cast<int32_t>(t);
+  }
+}
+
+inline size_t padded(size_t n) noexcept { return (n + 7) & ~static_cast<size_t>(7); }
+
+/// The cache properties an entry must match to load into it (not the layout).
+struct Geometry {
+  int64_t n_layers = 0;
+  int64_t page_size = 0;
+  int64_t n_kv_heads = 0;
+  int64_t head_dim = 0;
+  at::ScalarType dtype = at::kFloat;
+  KVQuant quant{};
+
+  template <class Layout>
+  static Geometry of(const PagedCache<Layout>& cache) {
+    return {cache.n_layers(), cache.page_size(), cache.n_kv_heads(), cache.head_dim(), cache.dtype(), cache.quant()};
+  }
+
+  size_t codes_bytes(KVFormat f) const noexcept {
+    return static_cast<size_t>(n_layers * page_size * n_kv_heads * head_dim) *
+           at::elementSize(storage_dtype(f, dtype));
+  }
+  size_t scales_bytes(KVFormat f) const noexcept {
+    return is_quantized(f) ? static_cast<size_t>(n_layers * page_size * n_kv_heads) * sizeof(float) : 0;
+  }
+  /// Payload sections, each padded to 8 bytes (so that every section is
+  /// aligned for its elements): K codes, K scales, V codes, V scales.
+  size_t payload_bytes() const noexcept {
+    return padded(codes_bytes(quant.k)) + padded(scales_bytes(quant.k)) + padded(codes_bytes(quant.v)) +
+           padded(scales_bytes(quant.v));
+  }
+  size_t entry_bytes(int64_t n_tokens) const noexcept {
+    return sizeof(Header) + static_cast<size_t>(n_tokens) * sizeof(int64_t) + payload_bytes() + sizeof(uint64_t);
+  }
+};
+
+/// 64-bit checksum: four independent multiply-xor lanes over 8-byte words
+/// (each step is a bijection of its lane, so any change to one word always
+/// changes the sum), then murmur3's finaliser over the lanes and the length.
+inline uint64_t checksum(const uint8_t* data, size_t n) noexcept {
+  constexpr uint64_t kMul[4] = {0x9e3779b97f4a7c15ULL, 0xc2b2ae3d27d4eb4fULL, 0x165667b19e3779f9ULL,
+                                0xd6e8feb86659fd93ULL};
+  uint64_t lane[4] = {0x243f6a8885a308d3ULL, 0x13198a2e03707344ULL, 0xa4093822299f31d0ULL, 0x082efa98ec4e6c89ULL};
+  size_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    for (int l = 0; l < 4; ++l) {
+      uint64_t w;
+      std::memcpy(&w, data + i + 8 * l, 8);
+      lane[l] = (lane[l] ^ w) * kMul[l];
+    }
+  }
+  for (int l = 0; i < n; ++l) {  // the tail: whole words, then the last bytes zero-extended
+    uint64_t w = 0;
+    const size_t take = std::min<size_t>(8, n - i);
+    std::memcpy(&w, data + i, take);
+    lane[l & 3] = (lane[l & 3] ^ w) * kMul[l & 3];
+    i += take;
+  }
+  uint64_t h = static_cast<uint64_t>(n);
+  for (int l = 0; l < 4; ++l) h = prefix_hash::mix(h ^ lane[l]) + static_cast<uint64_t>(l);
+  return h;
+}
+
+/// The key chain's seed: the entry format, the geometry, the dtype, the formats and the salt.
+inline uint64_t key_seed(const Geometry& g, uint64_t salt) noexcept {
+  uint64_t h = prefix_hash::mix(kFormatVersion ^ 0x7f4a7c159e3779b9ULL);
+  const uint64_t fields[] = {static_cast<uint64_t>(g.n_layers),       static_cast<uint64_t>(g.page_size),
+                             static_cast<uint64_t>(g.n_kv_heads),     static_cast<uint64_t>(g.head_dim),
+                             static_cast<uint64_t>(dtype_code(g.dtype)), static_cast<uint64_t>(g.quant.k),
+                             static_cast<uint64_t>(g.quant.v),        salt};
+  for (const uint64_t f : fields) h = prefix_hash::mix(h ^ f) * 0x100000001b3ULL;
+  return prefix_hash::mix(h);
+}
+
+/// The key of the page after the one whose key (or, for a prompt's first
+/// page, the seed) is `previous`, holding `page_tokens` [page_size].
+inline PageKey next_key(uint64_t previous, const int64_t* page_tokens, int64_t page_size) noexcept {
+  return PageKey{prefix_hash::page(previous, page_tokens, page_size)};
+}
+
+/// What the cache knows of a page it writes down.
+struct Identity {
+  PageKey key;
+  uint64_t page_hash = 0;
+  uint64_t parent_hash = 0;
+  uint64_t salt = 0;
+  const int64_t* tokens = nullptr;  // [n_tokens]: from position 0 to the page's end
+  int64_t n_tokens = 0;
+};
+
+/// The header of `entry`, if it has one of the right size; nothing verified.
+inline bool read_header(const at::Tensor& entry, Header* header) {
+  if (!entry.defined() || entry.device().type() != at::kCPU || entry.scalar_type() != at::kByte ||
+      entry.dim() != 1 || !entry.is_contiguous() || entry.numel() < static_cast<int64_t>(sizeof(Header)))
+    return false;
+  std::memcpy(header, entry.data_ptr<uint8_t>(), sizeof(Header));
+  return std::memcmp(header->magic, kMagic, sizeof(kMagic)) == 0;
+}
+
+/// Views of a page's K or V codes and scales, token-major ([n_layers,
+/// page_size, n_kv_heads, head_dim] and [n_layers, page_size, n_kv_heads])
+/// whatever the layout: the order entries hold them in.
+template <class Layout>
+at::Tensor page_codes(const at::Tensor& storage, int64_t page) {
+  const at::Tensor t = storage.select(1, page);  // [n_layers, <page>]
+  return Layout::token_stride(1, 2, 1) == 1 ? t.transpose(1, 2) : t;  // HND pages are [H, P, D]
+}
+template <class Layout>
+at::Tensor page_scales(const at::Tensor& scales, int64_t page, int64_t page_size, int64_t n_kv_heads) {
+  const at::Tensor t = scales.select(1, page);  // [n_layers, page_size * n_kv_heads] in the layout's order
+  if (Layout::token_stride(1, 2, 1) == 1) return t.view({t.size(0), n_kv_heads, page_size}).transpose(1, 2);
+  return t.view({t.size(0), page_size, n_kv_heads});
+}
+
+/// The payload sections of an entry of geometry g, as tensors over its bytes.
+struct Sections {
+  at::Tensor k, k_scales, v, v_scales;  // scales undefined for a native side
+};
+
+inline Sections sections(const Geometry& g, uint8_t* payload) {
+  const auto opts = [](at::ScalarType t) { return at::TensorOptions().dtype(t).device(at::kCPU); };
+  Sections s;
+  uint8_t* p = payload;
+  const auto side = [&](KVFormat f, at::Tensor& codes, at::Tensor& scales) {
+    codes = at::from_blob(p, {g.n_layers, g.page_size, g.n_kv_heads, g.head_dim}, opts(storage_dtype(f, g.dtype)));
+    p += padded(g.codes_bytes(f));
+    if (is_quantized(f)) {
+      scales = at::from_blob(p, {g.n_layers, g.page_size, g.n_kv_heads}, opts(at::kFloat));
+      p += padded(g.scales_bytes(f));
+    }
+  };
+  side(g.quant.k, s.k, s.k_scales);
+  side(g.quant.v, s.v, s.v_scales);
+  return s;
+}
+
+/// A new entry holding page `page` of `cache` under `id` (pinned host
+/// memory for a CUDA cache, so that a later load is a DMA at full speed).
+template <class Layout>
+at::Tensor encode(const PagedCache<Layout>& cache, int64_t page, const Identity& id) {
+  const Geometry g = Geometry::of(cache);
+  const size_t size = g.entry_bytes(id.n_tokens);
+  at::TensorOptions opts = at::TensorOptions().dtype(at::kByte).device(at::kCPU);
+  if (cache.device().is_cuda()) opts = opts.pinned_memory(true);
+  at::Tensor entry = at::empty({static_cast<int64_t>(size)}, opts);
+  uint8_t* data = entry.data_ptr<uint8_t>();
+  Header h{};
+  std::memcpy(h.magic, kMagic, sizeof(kMagic));
+  h.key = id.key.hash;
+  h.page_hash = id.page_hash;
+  h.parent_hash = id.parent_hash;
+  h.n_layers = g.n_layers;
+  h.page_size = g.page_size;
+  h.n_kv_heads = g.n_kv_heads;
+  h.head_dim = g.head_dim;
+  h.dtype = dtype_code(g.dtype);
+  h.k_format = static_cast<int32_t>(g.quant.k);
+  h.v_format = static_cast<int32_t>(g.quant.v);
+  h.salt = id.salt;
+  h.n_tokens = id.n_tokens;
+  h.payload_bytes = g.payload_bytes();
+  std::memcpy(data, &h, sizeof(h));
+  std::memcpy(data + sizeof(h), id.tokens, static_cast<size_t>(id.n_tokens) * sizeof(int64_t));
+  uint8_t* payload = data + sizeof(h) + static_cast<size_t>(id.n_tokens) * sizeof(int64_t);
+  const Sections s = sections(g, payload);
+  {  // the padding after each section is checksummed too
+    const size_t sizes[4] = {g.codes_bytes(g.quant.k), g.scales_bytes(g.quant.k), g.codes_bytes(g.quant.v),
+                             g.scales_bytes(g.quant.v)};
+    uint8_t* p = payload;
+    for (const size_t n : sizes) {
+      std::memset(p + n, 0, padded(n) - n);
+      p += padded(n);
+    }
+  }
+  s.k.copy_(page_codes<Layout>(cache.k_cache(), page));
+  s.v.copy_(page_codes<Layout>(cache.v_cache(), page));
+  if (s.k_scales.defined()) s.k_scales.copy_(page_scales<Layout>(cache.k_scales(), page, g.page_size, g.n_kv_heads));
+  if (s.v_scales.defined()) s.v_scales.copy_(page_scales<Layout>(cache.v_scales(), page, g.page_size, g.n_kv_heads));
+  const uint64_t sum = checksum(data, size - sizeof(uint64_t));
+  std::memcpy(data + size - sizeof(uint64_t), &sum, sizeof(sum));
+  return entry;
+}
+
+enum class Verdict { ok, corrupt, foreign };
+
+/// Whether `entry` is a whole, intact entry of page `key` for a cache of
+/// geometry g with `salt` and `tokens` [n_tokens]; `why` says what is wrong.
+inline Verdict verify(const at::Tensor& entry, const Geometry& g, const PageKey& key, uint64_t salt,
+                      const int64_t* tokens, int64_t n_tokens, std::string* why, bool check_sum = true) {
+  Header h{};
+  if (!read_header(entry, &h)) {
+    *why = entry.defined() && entry.numel() >= static_cast<int64_t>(sizeof(Header))
+               ? "no pagedkv entry header (bad magic, or not a contiguous 1-D uint8 CPU tensor)"
+               : "shorter than an entry header";
+    return Verdict::corrupt;
+  }
+  const size_t size = static_cast<size_t>(entry.numel());
+  if (h.n_tokens < 0 || h.n_tokens > static_cast<int64_t>(size / sizeof(int64_t)) ||
+      h.payload_bytes > size ||
+      sizeof(Header) + static_cast<size_t>(h.n_tokens) * sizeof(int64_t) + h.payload_bytes + sizeof(uint64_t) != size) {
+    *why = "its size " + std::to_string(size) + " does not match its header (truncated or corrupt)";
+    return Verdict::corrupt;
+  }
+  const uint8_t* data = entry.data_ptr<uint8_t>();
+  uint64_t sum;
+  std::memcpy(&sum, data + size - sizeof(uint64_t), sizeof(sum));
+  if (check_sum && checksum(data, size - sizeof(uint64_t)) != sum) {
+    *why = "its checksum does not match its contents (corrupt)";
+    return Verdict::corrupt;
+  }
+  if (h.n_layers != g.n_layers || h.page_size != g.page_size || h.n_kv_heads != g.n_kv_heads ||
+      h.head_dim != g.head_dim || h.dtype != dtype_code(g.dtype) || h.k_format != static_cast<int32_t>(g.quant.k) ||
+      h.v_format != static_cast<int32_t>(g.quant.v) || h.payload_bytes != g.payload_bytes()) {
+    *why = "it holds a page of another geometry, dtype or format (a foreign entry)";
+    return Verdict::foreign;
+  }
+  if (h.key != key.hash || h.salt != salt || h.n_tokens != n_tokens ||
+      std::memcmp(data + sizeof(Header), tokens, static_cast<size_t>(n_tokens) * sizeof(int64_t)) != 0) {
+    *why = "it holds another prefix (another salt or other tokens under a colliding key)";
+    return Verdict::foreign;
+  }
+  return Verdict::ok;
+}
+
+/// Writes a verified entry's K/V into page `page` of `cache` (bit for bit;
+/// relaid out for the cache's layout).
+template <class Layout>
+void load(PagedCache<Layout>& cache, int64_t page, const at::Tensor& entry) {
+  const Geometry g = Geometry::of(cache);
+  Header h{};
+  std::memcpy(&h, entry.data_ptr<uint8_t>(), sizeof(h));
+  uint8_t* payload = entry.data_ptr<uint8_t>() + sizeof(Header) + static_cast<size_t>(h.n_tokens) * sizeof(int64_t);
+  const Sections s = sections(g, payload);
+  // Blocking copies, also from pinned memory to a CUDA cache (a DMA at
+  // full speed): the views over the entry do not own its memory, so the
+  // host allocator could not tell that an asynchronous copy still reads it
+  // once the store lets the entry go.
+  page_codes<Layout>(cache.k_cache(), page).copy_(s.k);
+  page_codes<Layout>(cache.v_cache(), page).copy_(s.v);
+  if (s.k_scales.defined()) page_scales<Layout>(cache.k_scales(), page, g.page_size, g.n_kv_heads).copy_(s.k_scales);
+  if (s.v_scales.defined()) page_scales<Layout>(cache.v_scales(), page, g.page_size, g.n_kv_heads).copy_(s.v_scales);
+}
+
+}  // namespace page_store
+
+namespace detail {
+
+/// Warns through c10 (TORCH_WARN), but a store that keeps failing (a full
+/// disk, a server that is down) warns the first few times, then once per
+/// 1024 failures: an engine must not drown in one repeated message.
+class Warner {
+ public:
+  template <class... Args>
+  void operator()(const Args&... parts) {
+    const uint64_t n = count_.fetch_add(1);
+    if (n < 8 || (n & 1023) == 0) {
+      TORCH_WARN(parts..., n >= 8 ? " (repeated warnings of this store are thinned out)" : "");
+    }
+  }
+
+ private:
+  std::atomic<uint64_t> count_{0};
+};
+
+/// Entries in least-recently-used order, with their byte sizes.
+template <class Value>
+class LruIndex {
+ public:
+  struct Item {
+    uint64_t key;
+    int64_t bytes;
+    Value value;
+  };
+
+  Item* find(uint64_t key) {
+    const auto it = where_.find(key);
+    return it == where_.end() ? nullptr : &*it->second;
+  }
+  void touch(uint64_t key) {
+    const auto it = where_.find(key);
+    if (it != where_.end()) items_.splice(items_.end(), items_, it->second);
+  }
+  /// Inserts or replaces, as the most recently used.
+  void put(uint64_t key, int64_t bytes, Value value) {
+    erase(key);
+    items_.push_back(Item{key, bytes, std::move(value)});
+    where_[key] = std::prev(items_.end());
+    bytes_ += bytes;
+  }
+  /// Inserts as the least recently used (entries found on disk, oldest last).
+  void put_oldest(uint64_t key, int64_t bytes, Value value) {
+    erase(key);
+    items_.push_front(Item{key, bytes, std::move(value)});
+    where_[key] = items_.begin();
+    bytes_ += bytes;
+  }
+  bool erase(uint64_t key) {
+    const auto it = where_.find(key);
+    if (it == where_.end()) return false;
+    bytes_ -= it->second->bytes;
+    items_.erase(it->second);
+    where_.erase(it);
+    return true;
+  }
+  Item* oldest() { return items_.empty() ? nullptr : &items_.front(); }
+  std::vector<Item> take_all() {
+    std::vector<Item> all(std::make_move_iterator(items_.begin()), std::make_move_iterator(items_.end()));
+    items_.clear();
+    where_.clear();
+    bytes_ = 0;
+    return all;
+  }
+  int64_t bytes() const noexcept { return bytes_; }
+  int64_t size() const noexcept { return static_cast<int64_t>(where_.size()); }
+
+ private:
+  std::list<Item> items_;  // oldest first
+  std::unordered_map<uint64_t, typename std::list<Item>::iterator> where_;
+  int64_t bytes_ = 0;
+};
+
+/// Writes off the caller's path: a slow store's put queues the entry (the
+/// tensor itself, no copy) and returns, and one thread writes the queue in
+/// order. Until its write is done, a queued entry is served from memory
+/// (pending()), so a page evicted a moment ago is found at once. Queued
+/// bytes are bounded: past max_pending_bytes a put waits for the writer.
+/// A write that fails is warned about by `write` and its key is reported by
+/// take_failed(), for the store to forget it.
+class WriteBehind {
+ public:
+  using Write = std::function<bool(uint64_t key, const at::Tensor& entry)>;
+  using Remove = std::function<void(uint64_t key)>;
+
+  WriteBehind(Write write, Remove remove, int64_t max_pending_bytes)
+      : write_(std::move(write)), remove_(std::move(remove)), max_pending_bytes_(max_pending_bytes),
+        thread_([this] { run(); }) {}
+
+  ~WriteBehind() {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_writer_.notify_all();
+    thread_.join();  // after the queue is empty: entries put before the end are on disk
+  }
+
+  WriteBehind(const WriteBehind&) = delete;
+  WriteBehind& operator=(const WriteBehind&) = delete;
+
+  void put(uint64_t key, const at::Tensor& entry) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    wake_caller_.wait(lock, [&] { return pending_bytes_ <= max_pending_bytes_; });
+    auto it = pending_.find(key);
+    if (it != pending_.end()) pending_bytes_ -= it->second.numel();
+    pending_[key] = entry;
+    pending_bytes_ += entry.numel();
+    jobs_.push_back(Job{key, entry});
+    wake_writer_.notify_one();
+  }
+
+  /// Cancels a queued write of key and queues its removal.
+  void remove(uint64_t key) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    forget(key);
+    ++removing_[key];
+    jobs_.push_back(Job{key, at::Tensor()});
+    wake_writer_.notify_one();
+  }
+
+  /// Whether a removal of key is queued (its file, if any, is as good as gone).
+  bool removing(uint64_t key) const {
+    std::unique_lock<std::mutex> lock(mutex_);
+    return removing_.count(key) != 0;
+  }
+
+  /// The entry under key while its write is queued; undefined otherwise.
+  at::Tensor pending(uint64_t key) const {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const auto it = pending_.find(key);
+    return it == pending_.end() ? at::Tensor() : it->second;
+  }
+
+  /// Returns once every job queued before the call has run.
+  void flush() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const uint64_t target = queued_ + jobs_.size();
+    wake_caller_.wait(lock, [&] { return done_ >= target; });
+  }
+
+  std::vector<uint64_t> take_failed() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    std::vector<uint64_t> failed;
+    failed.swap(failed_);
+    return failed;
+  }
+
+ private:
+  struct Job {
+    uint64_t key;
+    at::Tensor entry;  // undefined: a removal
+  };
+
+  void forget(uint64_t key) {
+    const auto it = pending_.find(key);
+    if (it == pending_.end()) return;
+    pending_bytes_ -= it->second.numel();
+    pending_.erase(it);
+  }
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_writer_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stop_, and nothing left to write
+      Job job = std::move(jobs_.front());
+      jobs_.pop_front();
+      ++queued_;
+      // A write whose entry was replaced or removed since is skipped: the
+      // newer job does what is needed.
+      const auto it = pending_.find(job.key);
+      const bool current = job.entry.defined() && it != pending_.end() && it->second.is_same(job.entry);
+      lock.unlock();
+      bool ok = true;
+      if (current) {
+        ok = write_(job.key, job.entry);
+      } else if (!job.entry.defined()) {
+        remove_(job.key);
+      }
+      lock.lock();
+      if (!job.entry.defined()) {
+        const auto r = removing_.find(job.key);
+        if (r != removing_.end() && --r->second == 0) removing_.erase(r);
+      }
+      if (current) {
+        const auto now = pending_.find(job.key);
+        if (now != pending_.end() && now->second.is_same(job.entry)) forget(job.key);  // on disk (or failed) now
+        if (!ok) failed_.push_back(job.key);
+      }
+      ++done_;
+      wake_caller_.notify_all();
+    }
+  }
+
+  Write write_;
+  Remove remove_;
+  int64_t max_pending_bytes_;
+  mutable std::mutex mutex_;
+  std::condition_variable wake_writer_;
+  std::condition_variable wake_caller_;
+  std::deque<Job> jobs_;
+  std::unordered_map<uint64_t, at::Tensor> pending_;
+  std::unordered_map<uint64_t, int> removing_;  // queued removals per key
+  std::vector<uint64_t> failed_;
+  int64_t pending_bytes_ = 0;
+  uint64_t queued_ = 0;  // jobs taken off the queue
+  uint64_t done_ = 0;    // jobs finished
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once everything above is initialised
+};
+
+inline bool valid_entry_tensor(const at::Tensor& entry) {
+  return entry.defined() && entry.device().type() == at::kCPU && entry.scalar_type() == at::kByte &&
+         entry.dim() == 1 && entry.is_contiguous();
+}
+
+}  // namespace detail
+
+/// Host memory: entries kept as the tensors the cache made (pinned when the
+/// cache is on CUDA), least recently used dropped beyond max_bytes.
+class HostStore final : public PageStore {
+ public:
+  explicit HostStore(int64_t max_bytes) : max_bytes_(max_bytes) {
+    checks::positive(checks::Caller{"host_store", nullptr, nullptr}, "max_bytes", max_bytes);
+  }
+
+  std::string tier() const override { return "host"; }
+
+  bool put(const PageKey& key, const at::Tensor& entry, std::vector<StoredPage>* pushed_out) override {
+    if (!detail::valid_entry_tensor(entry) || entry.numel() > max_bytes_) return false;
+    std::lock_guard<std::mutex> lock(mutex_);
+    index_.put(key.hash, entry.numel(), entry);
+    while (index_.bytes() > max_bytes_) {
+      auto* old = index_.oldest();
+      if (pushed_out != nullptr) pushed_out->push_back(StoredPage{PageKey{old->key}, old->value});
+      index_.erase(old->key);
+    }
+    return true;
+  }
+
+  at::Tensor get(const PageKey& key) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto* item = index_.find(key.hash);
+    if (item == nullptr) return at::Tensor();
+    index_.touch(key.hash);
+    return item->value;
+  }
+
+  void erase(const PageKey& key) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    index_.erase(key.hash);
+  }
+
+  std::vector<StoredPage> drain() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<StoredPage> all;
+    for (auto& item : index_.take_all()) all.push_back(StoredPage{PageKey{item.key}, std::move(item.value)});
+    return all;
+  }
+
+  int64_t n_entries() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return index_.size();
+  }
+  int64_t bytes() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return index_.bytes();
+  }
+  int64_t max_bytes() const noexcept { return max_bytes_; }
+  bool in_process() const override { return true; }
+
+ private:
+  int64_t max_bytes_;
+  mutable std::mutex mutex_;
+  detail::LruIndex<at::Tensor> index_;
+};
+
+/// A directory: one file per entry (<key>.pkv), written to a temporary file
+/// and renamed into place, so that no reader (this process, another one, a
+/// later one) ever sees half an entry. Files are written off the caller's
+/// path by one thread of the store (detail::WriteBehind: a put queues
+/// the entry and returns; until its file is written, get serves it from
+/// memory; flush() waits for the queue; the destructor writes what is
+/// queued). Last use is the file's mtime, so the least recently used order
+/// survives restarts. Each process keeps the budget over the entries it
+/// knows: those it wrote and those it found when it last scanned the
+/// directory (at construction and every kRescanPuts writes), least recently
+/// used first; a file another process removed is a miss. Not fsynced: after
+/// a power loss an entry may be short or empty, which its checksum makes a
+/// miss.
+class DiskStore final : public PageStore {
+ public:
+  static constexpr int64_t kRescanPuts = 256;
+  static constexpr int64_t kMaxPendingBytes = int64_t{256} << 20;  // queued for writing at most
+
+  DiskStore(const std::string& dir, int64_t max_bytes) : dir_(dir), max_bytes_(max_bytes) {
+    const checks::Caller caller{"disk_store", nullptr, nullptr};
+    TORCH_CHECK(!dir.empty(), caller, ": argument 'dir' expected a directory path, got an empty string");
+    checks::positive(caller, "max_bytes", max_bytes);
+    if (::mkdir(dir.c_str(), 0777) != 0 && errno != EEXIST) {
+      TORCH_CHECK(false, caller, ": argument 'dir' expected a directory that exists or can be created, got '", dir,
+                  "' (", std::strerror(errno), ")");
+    }
+    struct stat st {};
+    TORCH_CHECK(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && ::access(dir.c_str(), R_OK | W_OK | X_OK) == 0,
+                caller, ": argument 'dir' expected a directory this process can read and write, got '", dir, "'");
+    scan();
+    writer_ = std::make_unique<detail::WriteBehind>(
+        [this](uint64_t key, const at::Tensor& entry) { return write_entry(key, entry); },
+        [this](uint64_t key) { ::unlink(path(key).c_str()); }, kMaxPendingBytes);
+  }
+
+  ~DiskStore() override { writer_.reset(); }  // writes what is queued, before the members it uses go
+
+  std::string tier() const override { return "disk"; }
+
+  bool put(const PageKey& key, const at::Tensor& entry, std::vector<StoredPage>* pushed_out) override {
+    if (!detail::valid_entry_tensor(entry)) return false;
+    if (entry.numel() > max_bytes_) {
+      warn_("pagedkv::disk_store('", dir_, "'): an entry of ", entry.numel(), " bytes exceeds the budget of ",
+            max_bytes_, " bytes; not stored");
+      return false;
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    forget_failed();
+    writer_->put(key.hash, entry);
+    index_.put(key.hash, entry.numel(), 0);
+    if (++n_puts_ % kRescanPuts == 0) scan();
+    while (index_.bytes() > max_bytes_) {
+      const uint64_t old = index_.oldest()->key;
+      if (old == key.hash) break;  // cannot happen (the entry fits and is the newest)
+      if (pushed_out != nullptr) {
+        at::Tensor bytes = writer_->pending(old);  // still queued: no need to read it back
+        if (!bytes.defined()) bytes = read_file(path(old));
+        if (bytes.defined()) pushed_out->push_back(StoredPage{PageKey{old}, std::move(bytes)});
+      }
+      writer_->remove(old);
+      index_.erase(old);
+    }
+    return true;
+  }
+
+  at::Tensor get(const PageKey& key) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    forget_failed();
+    at::Tensor entry = writer_->pending(key.hash);
+    const std::string p = path(key.hash);
+    if (!entry.defined()) {
+      if (writer_->removing(key.hash)) return entry;  // pushed out or erased: its unlink is queued
+      entry = read_file(p);
+      if (!entry.defined()) {
+        index_.erase(key.hash);
+        return entry;
+      }
+      ::utimensat(AT_FDCWD, p.c_str(), nullptr, 0);  // last use, for later processes' LRU order
+    }
+    if (index_.find(key.hash) == nullptr) index_.put(key.hash, entry.numel(), 0);
+    index_.touch(key.hash);
+    return entry;
+  }
+
+  void erase(const PageKey& key) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    writer_->remove(key.hash);
+    index_.erase(key.hash);
+  }
+
+  /// Returns once every entry put so far is in its file (or failed, warned).
+  void flush() { writer_->flush(); }
+
+  int64_t n_entries() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return index_.size();
+  }
+  int64_t bytes() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return index_.bytes();
+  }
+  const std::string& dir() const noexcept { return dir_; }
+
+ private:
+  std::string path(uint64_t key) const { return dir_ + "/" + PageKey{key}.name() + ".pkv"; }
+
+  /// The writer thread's job: a temporary file, renamed into place.
+  bool write_entry(uint64_t key, const at::Tensor& entry) {
+    const std::string final_path = path(key);
+    const std::string temp = dir_ + "/.tmp." + std::to_string(::getpid()) + "." + std::to_string(++n_temps_) + "." +
+                             PageKey{key}.name();
+    if (!write_file(temp, entry.data_ptr<uint8_t>(), static_cast<size_t>(entry.numel())) ||
+        ::rename(temp.c_str(), final_path.c_str()) != 0) {
+      warn_("pagedkv::disk_store('", dir_, "'): cannot write entry ", PageKey{key}.name(), " (", std::strerror(errno),
+            "); not stored");
+      ::unlink(temp.c_str());
+      return false;
+    }
+    return true;
+  }
+
+  /// Entries whose write failed are not there: the index forgets them.
+  void forget_failed() {
+    for (const uint64_t key : writer_->take_failed()) index_.erase(key);
+  }
+
+  static bool write_file(const std::string& p, const uint8_t* data, size_t n) {
+    const int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0) return false;
+    size_t done = 0;
+    while (done < n) {
+      const ssize_t w = ::write(fd, data + done, n - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) {
+        const int err = w < 0 ? errno : ENOSPC;
+        ::close(fd);
+        errno = err;
+        return false;
+      }
+      done += static_cast<size_t>(w);
+    }
+    return ::close(fd) == 0;
+  }
+
+  /// The whole file, or an undefined tensor when it is missing or unreadable.
+  at::Tensor read_file(const std::string& p) {
+    const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      if (errno != ENOENT) warn_("pagedkv::disk_store('", dir_, "'): cannot open ", p, " (", std::strerror(errno), ")");
+      return at::Tensor();
+    }
+    struct stat st {};
+    at::Tensor entry;
+    if (::fstat(fd, &st) == 0) {
+      entry = at::empty({static_cast<int64_t>(st.st_size)}, at::TensorOptions().dtype(at::kByte));
+      uint8_t* data = entry.data_ptr<uint8_t>();
+      size_t done = 0;
+      const size_t n = static_cast<size_t>(st.st_size);
+      while (done < n) {
+        const ssize_t r = ::read(fd, data + done, n - done);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        done += static_cast<size_t>(r);
+      }
+      // A file that shrank under us reads short: what was read is given
+      // back, and the checksum decides.
+      if (done < n) entry = entry.narrow(0, 0, static_cast<int64_t>(done)).clone();
+    }
+    ::close(fd);
+    return entry;
+  }
+
+  /// Learns the entries in the directory (other processes', earlier runs'),
+  /// oldest mtime least recently used; removes temporary files a crashed
+  /// writer left behind (older than an hour).
+  void scan() {
+    DIR* d = ::opendir(dir_.c_str());
+    if (d == nullptr) {
+      warn_("pagedkv::disk_store('", dir_, "'): cannot list the directory (", std::strerror(errno), ")");
+      return;
+    }
+    struct Found {
+      int64_t mtime_ns;
+      uint64_t key;
+      int64_t bytes;
+    };
+    std::vector<Found> found;
+    const int64_t now = static_cast<int64_t>(::time(nullptr));
+    while (const dirent* e = ::readdir(d)) {
+      const std::string name = e->d_name;
+      struct stat st {};
+      const std::string p = dir_ + "/" + name;
+      if (name.rfind(".tmp.", 0) == 0) {
+        if (::stat(p.c_str(), &st) == 0 && now - static_cast<int64_t>(st.st_mtime) > 3600) ::unlink(p.c_str());
+        continue;
+      }
+      if (name.size() != 20 || name.compare(16, 4, ".pkv") != 0) continue;
+      char* end = nullptr;
+      const uint64_t key = std::strtoull(name.substr(0, 16).c_str(), &end, 16);
+      if (end == nullptr || *end != '\0' || ::stat(p.c_str(), &st) != 0) continue;
+      found.push_back({static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec, key,
+                       static_cast<int64_t>(st.st_size)});
+    }
+    ::closedir(d);
+    std::sort(found.begin(), found.end(), [](const Found& a, const Found& b) { return a.mtime_ns > b.mtime_ns; });
+    for (const Found& f : found) {
+      if (index_.find(f.key) != nullptr) continue;  // known here: keep this process's order
+      if (writer_ != nullptr && writer_->removing(f.key)) continue;
+      index_.put_oldest(f.key, f.bytes, 0);  // newest first, each before the last: oldest ends first
+    }
+  }
+
+  std::string dir_;
+  int64_t max_bytes_;
+  mutable std::mutex mutex_;
+  detail::LruIndex<int> index_;
+  std::atomic<int64_t> n_temps_{0};
+  int64_t n_puts_ = 0;
+  detail::Warner warn_;
+  std::unique_ptr<detail::WriteBehind> writer_;  // after what its thread uses
+};
+
+/// A tier in host memory of at most max_bytes (>= 1) bytes of entries.
+inline std::shared_ptr<PageStore> host_store(int64_t max_bytes) { return std::make_shared<HostStore>(max_bytes); }
+
+/// A tier in directory `dir` (created when missing) of at most max_bytes
+/// (>= 1) bytes of entries; survives restarts and is shared by processes.
+inline std::shared_ptr<PageStore> disk_store(const std::string& dir, int64_t max_bytes) {
+  return std::make_shared<DiskStore>(dir, max_bytes);
+}
+
+}  // namespace pagedkv
