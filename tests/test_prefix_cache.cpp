@@ -471,6 +471,46 @@ TEST(PrefixCache, ForkCopyOnWriteSwapAndReleaseOnSharedCachedPages) {
   });
 }
 
+// Speculative decoding's rollback on a sequence whose pages are cached:
+// truncate drops only the sequence's references, and a kept cached page is
+// copied before the next write lands in it.
+TEST(PrefixCache, TruncateNeverFreesOrOverwritesACachedPage) {
+  for_each_layout([](auto layout) {
+    using L = decltype(layout);
+    auto cache = make_cache<L>(12);
+    SequenceTable<L> table(cache);
+    PrefixCache<L> prefix(table);
+    const auto prompt = iota_tokens(10);
+    const auto a = serve(prefix, table, prompt);  // 3 cached pages + page 3 with token 10
+    const std::vector<int64_t> pages = table.pages(a.first);
+    EXPECT_EQ(prefix.n_evictable(), 0);
+    table.truncate(a.first, 4);  // keeps pages 0 and 1 (1 partly): pages 2 and 3 lose a's reference
+    EXPECT_EQ(table.pages(a.first), std::vector<int64_t>(pages.begin(), pages.begin() + 2));
+    EXPECT_EQ(cache.ref_count(pages[2]), 1);  // the cache's own
+    EXPECT_EQ(cache.ref_count(pages[3]), 0);  // not cached: back to the pool
+    EXPECT_EQ(prefix.n_cached(), 3);
+    EXPECT_EQ(prefix.n_evictable(), 1);  // page 2: a leaf nobody holds
+    prefix.check();
+    auto rewritten = std::vector<int64_t>(prompt.begin(), prompt.begin() + 4);
+    rewritten.insert(rewritten.end(), {90, 91, 92});
+    extend(table, a.first, rewritten, 7);  // lands in cached page 1: a copy first
+    EXPECT_NE(table.pages(a.first)[1], pages[1]);
+    EXPECT_EQ(cache.ref_count(pages[1]), 1);
+    expect_tokens(table, a.first, rewritten, "the rolled-back sequence");
+    const auto hit = prefix.acquire(ints(prompt));  // the cached prompt is intact
+    EXPECT_EQ(hit.second, 9);
+    extend(table, hit.first, prompt, 10);
+    expect_tokens(table, hit.first, prompt, "a later request on the cached pages");
+    table.truncate(hit.first, 0);
+    EXPECT_EQ(prefix.n_cached(), 3);
+    prefix.check();
+    table.release(a.first);
+    table.release(hit.first);
+    prefix.clear();
+    EXPECT_EQ(cache.n_free(), 12);
+  });
+}
+
 // ---- bad input ----
 
 TEST(PrefixCache, BadInputThrowsNamingTheArgumentAndChangesNothing) {

@@ -64,6 +64,9 @@ at::Tensor paged_attention_cuda(const CacheView<Layout>& view, int64_t layer, co
   const int64_t n_queries = q.size(1);
   checks::attention_lengths(caller, b.host_lengths, n_queries);
   visit_page_table(b.host_table, [&](const auto& table) {
+    for (int64_t row = 0; b.leading_unmapped && row < table.rows; ++row) {  // bind let those through
+      checks::mapped_prefix(caller, table, row, b.host_lengths[static_cast<size_t>(row)], g.page_size, cache.pool());
+    }
     checks::bound_view_current(caller, b, table, cache.pool(), [&](int64_t row) {
       return std::make_pair(int64_t{0}, (b.host_lengths[static_cast<size_t>(row)] + g.page_size - 1) / g.page_size);
     });

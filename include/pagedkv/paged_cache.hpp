@@ -168,15 +168,22 @@ class PagedCache {
     checks::page_table(caller, page_table, device());
     const std::vector<int64_t> lens = checks::per_sequence(caller, "lengths", lengths, page_table.size(0), device());
     const at::Tensor host_table = on_host(page_table);
+    // Leading -1 columns are a windowed SequenceTable's released pages;
+    // gather, writes and attention without a window still refuse them.
+    bool leading_unmapped = false;
     visit_page_table(host_table, [&](const auto& table) {
       for (int64_t row = 0; row < table.rows; ++row) {
-        checks::mapped_prefix(caller, table, row, lens[static_cast<size_t>(row)], page_size(), pool_);
+        const int64_t length = lens[static_cast<size_t>(row)];
+        checks::mapped_window(caller, table, row, length, page_size(), pool_);
+        leading_unmapped = leading_unmapped || (length > 0 && table(row, 0) == kUnmappedPage);
       }
     });
     CacheView<Layout> view(this, page_table, lengths);
     if (kernels::use_cuda_kernels(device())) {
       checks::not_capturing(caller, cuda::capturing(device()));
-      view.bound_ = cuda::bind_tables(*this, *bind_buffers_, host_table, &lens, buffers);
+      std::shared_ptr<cuda::BoundTables> bound = cuda::bind_tables(*this, *bind_buffers_, host_table, &lens, buffers);
+      bound->leading_unmapped = leading_unmapped;
+      view.bound_ = std::move(bound);
     }
     return view;
   }
@@ -499,6 +506,9 @@ class PagedCache {
     checks::page_table(caller, b.host_table, device());
     return visit_page_table(b.host_table, [&](const auto& table) {
       if (view.lengths().defined()) {
+        for (int64_t row = 0; b.leading_unmapped && row < table.rows; ++row) {  // bind let those through
+          checks::mapped_prefix(caller, table, row, b.host_lengths[static_cast<size_t>(row)], page_size(), pool_);
+        }
         checks::bound_view_current(caller, b, table, pool_, [&](int64_t row) {
           return std::make_pair(int64_t{0}, (b.host_lengths[static_cast<size_t>(row)] + page_size() - 1) / page_size());
         });

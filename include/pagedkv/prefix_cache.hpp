@@ -30,6 +30,8 @@
 //   counters, exact at all times, and eviction never scans the pool.
 // - Failure: bad input throws c10::Error naming the function, the argument,
 //   what was expected and what was given; nothing changes, stats included.
+// - Only over a table without a window: a windowed table frees the early
+//   pages a match shares (the constructor throws naming the window).
 // - Lifetime: attaches to the table in the constructor (a table has at most
 //   one prefix cache), detaches and drops its references in the destructor;
 //   must not outlive the table. Not copyable or movable. Not thread-safe.
@@ -100,6 +102,7 @@ class PrefixCache final : private PageReclaimer {
       : seqs_(&seqs),
         page_size_(seqs.cache().page_size()),
         node_of_page_(static_cast<size_t>(seqs.cache().n_pages()), kNone) {
+    checks::unwindowed_table(checks::Caller{"PrefixCache", Layout::name, nullptr}, seqs.window());
     TORCH_CHECK(seqs.reclaimer_ == nullptr, "pagedkv::PrefixCache<", Layout::name,
                 ">: argument 'seqs' expected a table without a prefix cache, got one that already has one");
     grow_index(16);

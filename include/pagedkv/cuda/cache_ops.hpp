@@ -92,7 +92,7 @@ std::pair<at::Tensor, at::Tensor> gather_layer(const Cache& cache, int64_t layer
 /// device copies, in memory of the view's own or the cache's per-shape
 /// buffers (`sets`); the kernels its views launch, loaded.
 template <class Cache>
-std::shared_ptr<const BoundTables> bind_tables(const Cache& cache, BindBufferSets& sets, const at::Tensor& host_table,
+std::shared_ptr<BoundTables> bind_tables(const Cache& cache, BindBufferSets& sets, const at::Tensor& host_table,
                                                const std::vector<int64_t>* lengths, BindBuffers buffers) {
   const at::Device device = cache.device();
   prepare(device, view_kernels(cache.dtype(), cache.quant(), cache.head_dim()));
