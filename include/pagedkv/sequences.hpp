@@ -93,6 +93,10 @@ namespace pagedkv {
 template <class Layout>
 class PrefixCache;
 
+namespace transfer_detail {
+struct SequenceAccess;
+}
+
 template <class Layout = NHD>
 class SequenceTable {
  public:
@@ -455,6 +459,7 @@ class SequenceTable {
   template <class>
   friend class PrefixCache;  // attaches itself as the reclaimer; adopts matched pages into new sequences
   friend struct SequenceTableTestAccess;  // tests corrupt a sequence to prove check() sees it
+  friend struct transfer_detail::SequenceAccess;  // recv_sequence installs a windowed sequence's pages
 
   struct Seq {
     std::vector<int64_t> pages;  // [dropped, size): held; [0, dropped): kUnmappedPage (released by the window)
@@ -616,6 +621,26 @@ class SequenceTable {
     s.live = true;
     ++n_live_;
     return seq;
+  }
+
+  /// Gives the empty, resident sequence `seq` the pages of columns
+  /// [first, first + pages.size()) (their references already taken, the
+  /// columns before them released) and `length` tokens, then releases what
+  /// this table's window does not keep: first <= dropped_for(length), and
+  /// the pages cover the length. Throws only std::bad_alloc, before any change.
+  void install(int64_t seq, int64_t first, const std::vector<int64_t>& pages, int64_t length) {
+    std::vector<int64_t> row(static_cast<size_t>(first) + pages.size(), kUnmappedPage);
+    std::copy(pages.begin(), pages.end(), row.begin() + static_cast<std::ptrdiff_t>(first));
+    Seq& s = seqs_[static_cast<size_t>(seq)];
+    const int64_t drop = dropped_for(length);
+    const c10::ArrayRef<int64_t> gone(row.data() + first, static_cast<size_t>(drop - first));
+    cache_->pool().free_all(gone);
+    unreferenced(gone);
+    std::fill(row.begin() + static_cast<std::ptrdiff_t>(first), row.begin() + static_cast<std::ptrdiff_t>(drop),
+              kUnmappedPage);
+    s.pages = std::move(row);
+    s.dropped = drop;
+    s.length = length;
   }
 
   PagedCache<Layout>* cache_;
