@@ -511,6 +511,30 @@ TEST(PrefixCache, TruncateNeverFreesOrOverwritesACachedPage) {
   });
 }
 
+// A windowed table's sequence swapped out into a table with a prefix
+// cache: its host-side copy keeps the released columns as -1, which the
+// prefix cache's audit and its eviction accounting skip.
+TEST(PrefixCache, AHostTableHoldsAWindowedSequencesCopy) {
+  auto cache = make_cache(8);
+  auto host_cache = make_cache(8);
+  SequenceTable<NHD> table(cache, /*window=*/2);
+  SequenceTable<NHD> host(host_cache);
+  PrefixCache<NHD> prefix(host);
+  serve(prefix, host, iota_tokens(4));  // one cached page in the host cache
+  const int64_t s = table.create();
+  extend(table, s, iota_tokens(8), 8);  // the next query sees [7, 8]: columns 0 and 1 released
+  ASSERT_EQ(table.pages(s)[1], -1);
+  ASSERT_TRUE(table.swap_out(s, host));
+  const int64_t holder = host.size() - 1;
+  EXPECT_EQ(host.pages(holder)[0], -1);
+  EXPECT_NO_THROW(prefix.check());
+  EXPECT_NO_THROW(host.check());
+  ASSERT_TRUE(table.swap_in(s, host));
+  EXPECT_NO_THROW(prefix.check());
+  EXPECT_EQ(table.pages(s)[1], -1);
+  EXPECT_EQ(host_cache.n_free(), 8 - 2);  // the served request's two pages
+}
+
 // ---- bad input ----
 
 TEST(PrefixCache, BadInputThrowsNamingTheArgumentAndChangesNothing) {

@@ -254,7 +254,10 @@ class PrefixCache final : private PageReclaimer {
     std::vector<int64_t> refs(static_cast<size_t>(pool.n_pages()), 0);  // expected ref_counts
     for (const auto& s : seqs_->seqs_) {
       if (!s.live || s.swapped) continue;
-      for (const int64_t page : s.pages) ++refs[static_cast<size_t>(page)];
+      for (const int64_t page : s.pages) {
+        // -1: a column a windowed table released (a host-side copy of one of its sequences).
+        if (page != kUnmappedPage) ++refs[static_cast<size_t>(page)];
+      }
     }
     std::vector<int32_t> children(nodes_.size(), 0);
     std::vector<int32_t> blocking(nodes_.size(), 0);
