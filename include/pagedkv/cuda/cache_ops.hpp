@@ -93,7 +93,7 @@ std::pair<at::Tensor, at::Tensor> gather_layer(const Cache& cache, int64_t layer
 /// buffers (`sets`); the kernels its views launch, loaded.
 template <class Cache>
 std::shared_ptr<BoundTables> bind_tables(const Cache& cache, BindBufferSets& sets, const at::Tensor& host_table,
-                                               const std::vector<int64_t>* lengths, BindBuffers buffers) {
+                                         const std::vector<int64_t>* lengths, BindBuffers buffers) {
   const at::Device device = cache.device();
   prepare(device, view_kernels(cache.dtype(), cache.quant(), cache.head_dim()));
   auto b = std::make_shared<BoundTables>();
