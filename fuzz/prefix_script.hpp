@@ -6,7 +6,9 @@
 // token comparison tells them apart) and a script of calls on a
 // SequenceTable with an attached PrefixCache: requests (acquire, prefill of
 // the rest of the prompt through PagedCache::write, insert), appends, fork,
-// release, reserve, swap_out / swap_in, peek, evict, clear, and bad calls
+// truncate (a rollback: never frees a cached page; a kept cached page is
+// copied by the next append), release, reserve, swap_out / swap_in, peek,
+// evict, clear, and bad calls
 // (tokens of the wrong rank or dtype, max_tokens < -1, insert on unknown,
 // released or swapped sequences, tokens shorter than the sequence or
 // contradicting a page it shares with the cache, evict(n < 0)).
@@ -372,14 +374,26 @@ class Runner {
         }
         return;
       }
-      case 9:
-        if (in_.range(0, 3) == 0) {
+      case 9: {
+        const int64_t which = in_.range(0, 3);
+        if (which == 0) {
           model_.evict(std::numeric_limits<int64_t>::max(), [&](int64_t p) { return cache_.ref_count(p); });
           prefix_.clear();
           evicted_seen_ = prefix_.stats().evicted_pages;
           if (prefix_.n_evictable() != 0 || prefix_.n_reclaimable() != 0) fail("clear() left evictable pages");
+        } else if (which == 1 && !swapped) {  // truncate: the cache keeps every page it caches
+          const auto length = static_cast<int64_t>(tokens_[seq].size());
+          const int64_t n = in_.range(0, length);
+          const int64_t n_cached = prefix_.n_cached();
+          trace("truncate " + std::to_string(seq) + " to " + std::to_string(n));
+          table_.truncate(seq, n);
+          tokens_[seq].resize(static_cast<size_t>(n));
+          if (table_.length(seq) != n || table_.capacity(seq) != (n + page_size_ - 1) / page_size_ * page_size_)
+            fail("truncate(", seq, ", ", n, ") left length ", table_.length(seq), ", capacity ", table_.capacity(seq));
+          if (prefix_.n_cached() != n_cached) fail("truncate changed n_cached from ", n_cached, " to ", prefix_.n_cached());
         }
         return;
+      }
       case 10:
         if (!swapped && in_.flag()) do_insert(seq);
         return;

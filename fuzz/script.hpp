@@ -3,7 +3,8 @@
 // or K and/or V quantized to fp8 e4m3 / int8) and a script of calls (alloc,
 // alloc_n, free, retain, ref_count, write with an int or a tensor
 // start_pos, gather with and without lengths, bind with total_len or
-// lengths, and writes/gathers/in-place table edits through bound views), with
+// lengths (rows may start with -1 columns, as a windowed table leaves them),
+// and writes/gathers/in-place table edits through bound views), with
 // random and garbage page tables, positions, lengths and K/V tensors, and runs
 // it against a PagedCache and a simple reference model. After every call:
 //
@@ -250,6 +251,24 @@ struct Model {
     if (length > t.cols * page_size) return false;
     for (int64_t c = 0; c * page_size < length; ++c)
       if (!allocated(t.at(r, c))) return false;
+    return true;
+  }
+  /// Row r as bind(page_table, lengths) takes it: leading -1 columns (a
+  /// windowed table's released pages), then allocated pages through the
+  /// one that holds its last token.
+  bool mapped_window(const Table& t, int64_t r, int64_t length) const {
+    if (length == 0 || t.cols == 0 || t.at(r, 0) != pagedkv::kUnmappedPage) return mapped_prefix(t, r, length);
+    if (length > t.cols * page_size) return false;
+    const int64_t last = (length - 1) / page_size;
+    int64_t c = 0;
+    while (c < last && t.at(r, c) == pagedkv::kUnmappedPage) ++c;
+    for (; c <= last; ++c)
+      if (!allocated(t.at(r, c))) return false;
+    return true;
+  }
+  bool mapped_windows(const Table& t, const std::vector<int64_t>& lengths) const {
+    for (int64_t r = 0; r < t.rows; ++r)
+      if (!mapped_window(t, r, lengths[static_cast<size_t>(r)])) return false;
     return true;
   }
   bool mapped_prefixes(const Table& t, const std::vector<int64_t>& lengths) const {
@@ -810,7 +829,7 @@ class Runner {
       const int64_t rows = table.ok ? table.rows : 0;
       const at::Tensor lengths_tensor = per_sequence(rows, table.cols * model_.page_size);
       const auto lengths = detail::read_per_sequence(lengths_tensor, rows);
-      const bool ok = table.ok && lengths && model_.mapped_prefixes(table, *lengths);
+      const bool ok = table.ok && lengths && model_.mapped_windows(table, *lengths);
       attempt("bind(" + detail::describe(table_tensor) + ", lengths " + detail::describe(lengths_tensor) + ")", ok,
               [&] { view.emplace(cache_.bind(table_tensor, lengths_tensor)); });
     }

@@ -5,8 +5,8 @@
 // 1-2 layers, a device cache
 // of 1-16 pages, a host cache of 0-16 pages, page size 1-5, 1-2 heads, head
 // dim 1-3) and a script of SequenceTable calls: create, fork, release,
-// reserve, prepare_append, commit_append, batch, swap_out, swap_in and the
-// inspection calls, with valid and invalid arguments (unknown and released
+// reserve, prepare_append, commit_append, truncate, batch, swap_out, swap_in
+// and the inspection calls, with valid and invalid arguments (unknown and released
 // ids, negative and huge counts, calls on swapped sequences and on host-side
 // holders, commits past the capacity, the wrong host table: this one, one
 // over the same cache, one of another geometry or dtype). Appends are real:
@@ -16,7 +16,10 @@
 //
 // Up to two tables carry sequences: table 0 over the device cache and, when
 // the host cache has pages, table 1 over it; either may swap out into the
-// other (their layouts are drawn independently). The model keeps, per table
+// other (their layouts are drawn independently). For a quarter of the
+// inputs table 0 has a window (1-12 tokens; table 1 too for half of those):
+// after each commit the model releases the pages wholly before the next
+// query's window, and truncate below the held window must throw. The model keeps, per table
 // and id: live, holder (of another table's swapped sequence), swapped (and
 // where to), length, the page list, and the token id at every position.
 // After every call:
@@ -30,10 +33,12 @@
 //   changed the pages as the model says (new pages were free before; after
 //   prepare_append every page the append lands in has ref_count 1);
 // - every table answers contains / length / swapped / pages / capacity /
-//   size as the model, every ref_count equals the number of sequences that
-//   hold the page, and PagedCache::check() passes on every cache;
+//   size / window as the model, every ref_count equals the number of
+//   sequences that hold the page, and PagedCache::check() and
+//   SequenceTable::check() pass;
 // - every check_every calls (and at the end): every live, resident sequence
 //   of each table (host-side holders included) is gathered through batch()
+//   (the held columns only, for rows with released ones)
 //   and compared with the model bit for bit, layer by layer (a quantized
 //   side: the written head vector through the library's scalar codec,
 //   dequantized and rounded to the dtype; this catches
@@ -103,6 +108,8 @@ constexpr int64_t kI64Min = std::numeric_limits<int64_t>::min();
 constexpr int64_t kI32Max = std::numeric_limits<int32_t>::max();
 /// A position committed without a write: its value is not checked.
 constexpr int64_t kUnknownToken = -1;
+/// In learn_pages' expected list: a page that was free before the call.
+constexpr int64_t kFresh = -2;
 
 /// Table slots: 0 and 1 carry sequences (the device table and the host
 /// table); 2-4 stay empty and serve as wrong hosts.
@@ -179,6 +186,7 @@ struct Config {
   pagedkv::KVQuant quant;  // every cache's formats
   bool destroy_at_end = false;
   int64_t n_layers = 1, n_pages = 1, host_pages = 0, page_size = 1, n_heads = 1, head_dim = 1;
+  int64_t windows[2] = {0, 0};  // of the tables that carry sequences (dev, host)
 };
 
 inline bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
@@ -226,10 +234,10 @@ class SequenceRunner {
     if (cfg.host_pages > 0) {
       host_cache_.emplace(cfg.n_layers, cfg.host_pages, cfg.page_size, cfg.n_heads, cfg.head_dim, options(cfg.dtype),
                           cfg.quant);
-      host_.emplace(*host_cache_);
+      host_.emplace(*host_cache_, cfg.windows[seq_detail::kHost]);
       host_same_.emplace(*host_cache_);
     }
-    dev_.emplace(dev_cache_);
+    dev_.emplace(dev_cache_, cfg.windows[seq_detail::kDev]);
     dev_same_.emplace(dev_cache_);
     alt_.emplace(alt_cache_);
   }
@@ -302,8 +310,21 @@ class SequenceRunner {
     if (c > 1) return refs;
     for (const SeqModel& s : model_[c].seqs)
       if (s.live)
-        for (int64_t p : s.pages) ++refs[static_cast<size_t>(p)];
+        for (int64_t p : s.pages)
+          if (p != pagedkv::kUnmappedPage) ++refs[static_cast<size_t>(p)];
     return refs;
+  }
+  /// Leading columns a sequence of table t with `length` tokens released:
+  /// those wholly before the next query's window.
+  int64_t dropped_for(int t, int64_t length) const {
+    const int64_t w = cfg_.windows[t];
+    return w == 0 || length < w ? 0 : (length - w + 1) / P();
+  }
+  /// The leading -1 columns of a model page list.
+  static int64_t released(const std::vector<int64_t>& pages) {
+    int64_t j = 0;
+    while (j < static_cast<int64_t>(pages.size()) && pages[static_cast<size_t>(j)] == pagedkv::kUnmappedPage) ++j;
+    return j;
   }
   int64_t model_n_free(int c) const {
     const std::vector<int64_t> refs = model_refs(c);
@@ -424,8 +445,8 @@ class SequenceRunner {
   }
 
   /// After a successful call: sequence id of table t has the pages
-  /// `expected`, where -1 stands for a page that was free before the call
-  /// (each a different one). The model takes the actual list.
+  /// `expected`, where kFresh stands for a page that was free before the
+  /// call (each a different one). The model takes the actual list.
   void learn_pages(const std::string& what, int t, int64_t id, const std::vector<int64_t>& expected) {
     std::vector<int64_t> actual;
     with_table(t, [&](const auto& table) { actual = table.pages(id); });
@@ -434,7 +455,7 @@ class SequenceRunner {
     std::vector<int64_t> fresh;
     for (size_t j = 0; ok && j < actual.size(); ++j) {
       const int64_t p = actual[j];
-      if (expected[j] >= 0) {
+      if (expected[j] != seq_detail::kFresh) {
         ok = p == expected[j];
       } else {
         ok = p >= 0 && p < static_cast<int64_t>(refs_before.size()) && refs_before[static_cast<size_t>(p)] == 0 &&
@@ -444,7 +465,7 @@ class SequenceRunner {
     }
     if (!ok)
       fail(what, ": sequence ", id, " of table ", seq_detail::name(t), " has pages ", detail::join(actual),
-           ", model ", detail::join(expected), " (-1: a page free before the call; free then: refs ",
+           ", model ", detail::join(expected), " (-2: a page free before the call; free then: refs ",
            detail::join(refs_before), ")");
     model_[t].at(id).pages = std::move(actual);
   }
@@ -483,11 +504,19 @@ class SequenceRunner {
               fail("harness: holder ", id, " of table ", seq_detail::name(t), " is inconsistent");
           } else if (s.swapped ? !s.pages.empty() || !model_[s.host].live(s.host_seq)
                                : static_cast<int64_t>(s.pages.size()) * P() < s.length ||
-                                     static_cast<int64_t>(s.tokens.size()) != s.length) {
+                                     static_cast<int64_t>(s.tokens.size()) != s.length ||
+                                     released(s.pages) != dropped_for(t, s.length)) {
             fail("harness: sequence ", id, " of table ", seq_detail::name(t), " is inconsistent");
           }
         }
         if (table.size() != n_live) fail("table ", seq_detail::name(t), ": size() = ", table.size(), ", model ", n_live);
+        if (table.window() != cfg_.windows[t])
+          fail("table ", seq_detail::name(t), ": window() = ", table.window(), ", model ", cfg_.windows[t]);
+        try {
+          table.check();
+        } catch (const c10::Error& e) {
+          fail("SequenceTable::check() failed on table ", seq_detail::name(t), ": ", e.what_without_backtrace());
+        }
       });
     }
     for (int t = seq_detail::kDevSame; t < seq_detail::kTables; ++t) {
@@ -597,8 +626,24 @@ class SequenceRunner {
       with_table(t, [&](const auto& tb) { std::tie(table, lengths) = tb.batch(ids); });
       const std::string what = std::string("data check: table ") + seq_detail::name(t) + " batch(" + detail::join(ids) + ")";
       check_batch(what, t, ids, table, lengths);
+      // Rows with released columns: gather their held columns only (a gather
+      // without a window refuses -1 below a length), positions shifted.
+      std::vector<int64_t> skip(ids.size(), 0);
       int64_t max_len = 0;
-      for (int64_t id : ids) max_len = std::max(max_len, model_[t].at(id).length);
+      for (size_t b = 0; b < ids.size(); ++b) {
+        skip[b] = released(model_[t].at(ids[b]).pages);
+        max_len = std::max(max_len, model_[t].at(ids[b]).length - skip[b] * P());
+      }
+      if (std::any_of(skip.begin(), skip.end(), [](int64_t x) { return x > 0; })) {
+        const at::Tensor full = table;
+        table = at::full({full.size(0), full.size(1)}, pagedkv::kUnmappedPage, at::kInt);
+        for (size_t b = 0; b < ids.size(); ++b) {
+          const auto row = static_cast<int64_t>(b);
+          const int64_t cols = full.size(1) - skip[b];
+          table[row].narrow(0, 0, cols).copy_(full[row].narrow(0, skip[b], cols));
+          lengths[row] -= skip[b] * P();
+        }
+      }
       with_cache(cache_of(t), [&](const auto& cache) {
         for (int64_t layer = 0; layer < cfg_.n_layers; ++layer) {
           const auto kv = cache.gather(layer, table, lengths);
@@ -611,11 +656,12 @@ class SequenceRunner {
             const auto* base = static_cast<const unsigned char*>(out.data_ptr());
             for (size_t b = 0; b < ids.size(); ++b) {
               const std::vector<int64_t>& tokens = tokens_of(t, ids[b]);
-              for (int64_t pos = 0; pos < model_[t].at(ids[b]).length; ++pos) {
+              const int64_t shift = skip[b] * P();
+              for (int64_t pos = shift; pos < model_[t].at(ids[b]).length; ++pos) {
                 const int64_t token = tokens[static_cast<size_t>(pos)];
                 if (token == seq_detail::kUnknownToken) continue;
                 for (int64_t e = 0; e < hd_; ++e) {
-                  const uint32_t got = raw(base, (static_cast<int64_t>(b) * max_len + pos) * hd_ + e);
+                  const uint32_t got = raw(base, (static_cast<int64_t>(b) * max_len + pos - shift) * hd_ + e);
                   const uint32_t want = gathered_bits(token, layer, which, e);
                   if (got != want)
                     fail(what, ": sequence ", ids[b], " layer ", layer, (which == 0 ? " k" : " v"), " position ", pos,
@@ -823,7 +869,7 @@ class SequenceRunner {
         }) != Want::ok)
       return;
     std::vector<int64_t> expected = model_[t].at(id).pages;
-    expected.resize(expected.size() + static_cast<size_t>(std::max<int64_t>(need, 0)), -1);
+    expected.resize(expected.size() + static_cast<size_t>(std::max<int64_t>(need, 0)), seq_detail::kFresh);
     learn_pages(what, t, id, expected);
   }
 
@@ -847,11 +893,11 @@ class SequenceRunner {
         int64_t need = std::max<int64_t>(0, end - have_pages);
         for (int64_t j = first; j < std::min(end, have_pages); ++j)
           if (refs[static_cast<size_t>(s.pages[static_cast<size_t>(j)])] > 1) {
-            expected[static_cast<size_t>(j)] = -1;
+            expected[static_cast<size_t>(j)] = seq_detail::kFresh;
             ++need;
           }
         if (need > model_n_free(cache_of(t))) want = Want::short_pool;
-        else expected.resize(static_cast<size_t>(std::max(end, have_pages)), -1);
+        else expected.resize(static_cast<size_t>(std::max(end, have_pages)), seq_detail::kFresh);
       }
     }
     const std::string what = label("prepare_append", t, str(id) + ", " + str(n));
@@ -889,7 +935,36 @@ class SequenceRunner {
       s.tokens.push_back(i < static_cast<int64_t>(written.size()) ? written[static_cast<size_t>(i)]
                                                                    : seq_detail::kUnknownToken);
     s.length += n;
+    const int64_t drop = dropped_for(t, s.length);  // out of the next query's window: back to the pool
+    std::fill(s.pages.begin(), s.pages.begin() + static_cast<std::ptrdiff_t>(drop), pagedkv::kUnmappedPage);
     return got;
+  }
+
+  /// truncate(id, n): keeps pages_for(n) columns; refused below the held window.
+  void op_truncate(int t) {
+    const int64_t id = pick_seq(t);
+    const uint8_t sel = in_.u8() % 8;
+    int64_t n = count(opt_.max_tokens);
+    if (sel < 5 && model_[t].live(id)) {
+      const int64_t length = model_[t].at(id).length;
+      n = sel < 3 ? length - in_.range(0, std::min<int64_t>(length, 8)) : in_.range(0, std::max<int64_t>(length, 0));
+    }
+    Want want = Want::error;
+    if (owned(t, id) && n >= 0 && n <= model_[t].at(id).length) {
+      const int64_t first_held = released(model_[t].at(id).pages) * P();
+      want = first_held > 0 && n - first_held < cfg_.windows[t] - 1 ? Want::error : Want::ok;
+    }
+    const std::string what = label("truncate", t, str(id) + ", " + str(n));
+    if (attempt(what, want, [&] {
+          with_table(t, [&](auto& table) { table.truncate(id, n); });
+          return true;
+        }) != Want::ok)
+      return;
+    SeqModel& s = model_[t].at(id);
+    std::vector<int64_t> expected(s.pages.begin(), s.pages.begin() + static_cast<std::ptrdiff_t>(pages_for(n)));
+    learn_pages(what, t, id, expected);
+    s.length = n;
+    s.tokens.resize(static_cast<size_t>(n));
   }
 
   /// Writes tokens[row] at the end of each sequence `ids[row]` (prepared),
@@ -982,9 +1057,10 @@ class SequenceRunner {
     const int h = pick_host(t);
     const bool good_host = (t == seq_detail::kDev && h == seq_detail::kHost) || (t == seq_detail::kHost && h == seq_detail::kDev);
     Want want = Want::error;
-    int64_t n = 0;
+    int64_t n = 0, skip = 0;
     if (owned(t, id) && good_host) {
-      n = pages_for(model_[t].at(id).length);
+      skip = released(model_[t].at(id).pages);
+      n = pages_for(model_[t].at(id).length) - skip;
       want = n > model_n_free(cache_of(h)) ? Want::short_pool : Want::ok;
     }
     const int64_t holder = good_host ? model_[h].lowest_unused() : -1;
@@ -1001,7 +1077,9 @@ class SequenceRunner {
     hs.owner = t;
     hs.owner_seq = id;
     hs.length = model_[t].at(id).length;
-    learn_pages(what, h, holder, std::vector<int64_t>(static_cast<size_t>(n), -1));
+    std::vector<int64_t> expected(static_cast<size_t>(skip), pagedkv::kUnmappedPage);
+    expected.resize(static_cast<size_t>(skip + n), seq_detail::kFresh);
+    learn_pages(what, h, holder, expected);
     SeqModel& s = model_[t].at(id);
     s.swapped = true;
     s.host = h;
@@ -1025,9 +1103,11 @@ class SequenceRunner {
       h = hosts[in_.u8() % hosts.size()];
     }
     Want want = Want::error;
-    int64_t n = 0;
+    int64_t n = 0, skip = 0;
     if (model_[t].live(id) && !model_[t].at(id).holder && model_[t].at(id).swapped && model_[t].at(id).host == h) {
-      n = static_cast<int64_t>(model_[h].at(model_[t].at(id).host_seq).pages.size());
+      const std::vector<int64_t>& host_pages = model_[h].at(model_[t].at(id).host_seq).pages;
+      skip = released(host_pages);
+      n = static_cast<int64_t>(host_pages.size()) - skip;
       want = n > model_n_free(cache_of(t)) ? Want::short_pool : Want::ok;
     }
     const std::string what = label("swap_in", t, str(id) + ", " + seq_detail::name(h));
@@ -1042,7 +1122,9 @@ class SequenceRunner {
     s.swapped = false;
     s.host = -1;
     s.host_seq = -1;
-    learn_pages(what, t, id, std::vector<int64_t>(static_cast<size_t>(n), -1));
+    std::vector<int64_t> expected(static_cast<size_t>(skip), pagedkv::kUnmappedPage);
+    expected.resize(static_cast<size_t>(skip + n), seq_detail::kFresh);
+    learn_pages(what, t, id, expected);
   }
 
   void op_batch(int t) {
@@ -1113,7 +1195,10 @@ class SequenceRunner {
       case 16: op_swap_in(t); break;
       case 17: op_batch(t); break;
       case 18: op_query(t); break;
-      default: check_data(); break;
+      default:  // an extra byte, so that older inputs keep their other operations
+        if (in_.u8() % 2 == 0) op_truncate(t);
+        else check_data();
+        break;
     }
   }
 
@@ -1152,10 +1237,16 @@ inline SequenceStats run_sequence_script(const uint8_t* data, size_t size,
                                                                                    : pagedkv::Backend::automatic);
   cfg.quant = quant_of(in.peek(), cfg.dtype);  // script.hpp: from the n_layers byte's unused bits
   cfg.n_layers = in.range(1, opt.max_layers);
+  // The windows come from bits n_pages and n_heads leave unused, so that
+  // adding them changed no other choice an input makes.
+  const uint8_t windowed = static_cast<uint8_t>(in.peek() >> 4);
   cfg.n_pages = in.range(1, opt.max_pages);
   cfg.host_pages = in.range(0, opt.max_host_pages);
   cfg.page_size = in.range(1, opt.max_page_size);
+  const int64_t window = 1 + (in.peek() >> 1) % 12;
   cfg.n_heads = in.range(1, opt.max_heads);
+  if (windowed >= 12) cfg.windows[seq_detail::kDev] = window;
+  if (windowed >= 12 && windowed % 2 == 1) cfg.windows[seq_detail::kHost] = window;
   cfg.head_dim = in.range(1, opt.max_head_dim);
   using pagedkv::HND;
   using pagedkv::NHD;

@@ -131,8 +131,10 @@ void check_attention(const Case& c) {
                        {pc::pages_ref(cache.v_cache(), cache.v_scales(), 0, cache.geometry()), c.quant.v}};
   emulator().set_sm_count(c.sm_count);
   emulator().launched.clear();
+  pagedkv::AttentionOptions options;
+  options.scale = scale;
   const at::Tensor out = pc::attention(emulator(), pc::table_ref(page_table), lengths.data_ptr<int64_t>(), q, sides,
-                                       cache.geometry(), c.dtype, cache.n_pages(), scale);
+                                       cache.geometry(), c.dtype, cache.n_pages(), options);
   ASSERT_EQ(out.sizes(), q.sizes());
   ASSERT_EQ(out.scalar_type(), c.dtype);
   const at::Tensor ref = reference(q, ks, vs, scale);

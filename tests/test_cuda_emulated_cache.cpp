@@ -291,4 +291,31 @@ TEST(CudaCacheEmulated, BadInputThrowsAndChangesNothing) {
   before.expect_same(cache, "bad input");
 }
 
+/// A windowed table's rows (leading -1 columns) bind on the CUDA path too;
+/// a gather or attention without a window, which read every position below
+/// the length, throws there as on the CPU (bind no longer refused the row,
+/// so the per-layer calls check it), and writes into held pages work.
+TEST(CudaCacheEmulated, WindowedRowsBindAndReadsWithoutAWindowThrow) {
+  PagedCache<NHD> cache(2, 16, kPageSize, kHeads, kHeadDim, at::TensorOptions().dtype(at::kFloat));
+  const std::vector<int64_t> pages = cache.alloc_n(3);
+  const at::Tensor page_table = table({{-1, pages[0], pages[1]}, {pages[2], -1, -1}});
+  const at::Tensor k = random_kv(2, 1, at::kFloat, 9), v = random_kv(2, 1, at::kFloat, 10);
+  const at::Tensor q = at::randn({2, 1, kHeads * kGroup, kHeadDim});
+  pagedkv::cuda::ScopedExecutor scope(emulator());
+  const auto view = cache.bind(page_table, ints({8, 2}));
+  ASSERT_NE(view.bound_tables(), nullptr);
+  view.write(0, ints({7, 1}), k, v);
+  const CacheSnapshot before(cache);
+  expect_error([&] { (void)view.gather(0); }, {"PagedCache<NHD>::gather", "'lengths'", "first -1 at column 0"});
+  expect_error([&] { (void)pagedkv::paged_attention(view, 0, q); },
+               {"paged_attention<NHD>", "'lengths'", "first -1 at column 0"});
+  expect_error([&] { view.write(0, 0, k, v); }, {"PagedCache<NHD>::write", "(unmapped)"});
+  expect_error([&] { (void)cache.bind(table({{-1, -1, pages[1]}, {pages[2], -1, -1}}), ints({5, 2})); },
+               {"PagedCache<NHD>::bind", "'page_table'", "page_table[0][1]"});
+  before.expect_same(cache, "reads of a windowed row without a window");
+  // Rows without -1 below their lengths still read without a recheck.
+  const auto plain = cache.bind(table({{pages[0], pages[1]}}), ints({5}));
+  EXPECT_EQ(plain.gather(0).first.size(1), 5);
+}
+
 }  // namespace

@@ -471,6 +471,70 @@ TEST(PrefixCache, ForkCopyOnWriteSwapAndReleaseOnSharedCachedPages) {
   });
 }
 
+// Speculative decoding's rollback on a sequence whose pages are cached:
+// truncate drops only the sequence's references, and a kept cached page is
+// copied before the next write lands in it.
+TEST(PrefixCache, TruncateNeverFreesOrOverwritesACachedPage) {
+  for_each_layout([](auto layout) {
+    using L = decltype(layout);
+    auto cache = make_cache<L>(12);
+    SequenceTable<L> table(cache);
+    PrefixCache<L> prefix(table);
+    const auto prompt = iota_tokens(10);
+    const auto a = serve(prefix, table, prompt);  // 3 cached pages + page 3 with token 10
+    const std::vector<int64_t> pages = table.pages(a.first);
+    EXPECT_EQ(prefix.n_evictable(), 0);
+    table.truncate(a.first, 4);  // keeps pages 0 and 1 (1 partly): pages 2 and 3 lose a's reference
+    EXPECT_EQ(table.pages(a.first), std::vector<int64_t>(pages.begin(), pages.begin() + 2));
+    EXPECT_EQ(cache.ref_count(pages[2]), 1);  // the cache's own
+    EXPECT_EQ(cache.ref_count(pages[3]), 0);  // not cached: back to the pool
+    EXPECT_EQ(prefix.n_cached(), 3);
+    EXPECT_EQ(prefix.n_evictable(), 1);  // page 2: a leaf nobody holds
+    prefix.check();
+    auto rewritten = std::vector<int64_t>(prompt.begin(), prompt.begin() + 4);
+    rewritten.insert(rewritten.end(), {90, 91, 92});
+    extend(table, a.first, rewritten, 7);  // lands in cached page 1: a copy first
+    EXPECT_NE(table.pages(a.first)[1], pages[1]);
+    EXPECT_EQ(cache.ref_count(pages[1]), 1);
+    expect_tokens(table, a.first, rewritten, "the rolled-back sequence");
+    const auto hit = prefix.acquire(ints(prompt));  // the cached prompt is intact
+    EXPECT_EQ(hit.second, 9);
+    extend(table, hit.first, prompt, 10);
+    expect_tokens(table, hit.first, prompt, "a later request on the cached pages");
+    table.truncate(hit.first, 0);
+    EXPECT_EQ(prefix.n_cached(), 3);
+    prefix.check();
+    table.release(a.first);
+    table.release(hit.first);
+    prefix.clear();
+    EXPECT_EQ(cache.n_free(), 12);
+  });
+}
+
+// A windowed table's sequence swapped out into a table with a prefix
+// cache: its host-side copy keeps the released columns as -1, which the
+// prefix cache's audit and its eviction accounting skip.
+TEST(PrefixCache, AHostTableHoldsAWindowedSequencesCopy) {
+  auto cache = make_cache(8);
+  auto host_cache = make_cache(8);
+  SequenceTable<NHD> table(cache, /*window=*/2);
+  SequenceTable<NHD> host(host_cache);
+  PrefixCache<NHD> prefix(host);
+  serve(prefix, host, iota_tokens(4));  // one cached page in the host cache
+  const int64_t s = table.create();
+  extend(table, s, iota_tokens(8), 8);  // the next query sees [7, 8]: columns 0 and 1 released
+  ASSERT_EQ(table.pages(s)[1], -1);
+  ASSERT_TRUE(table.swap_out(s, host));
+  const int64_t holder = host.size() - 1;
+  EXPECT_EQ(host.pages(holder)[0], -1);
+  EXPECT_NO_THROW(prefix.check());
+  EXPECT_NO_THROW(host.check());
+  ASSERT_TRUE(table.swap_in(s, host));
+  EXPECT_NO_THROW(prefix.check());
+  EXPECT_EQ(table.pages(s)[1], -1);
+  EXPECT_EQ(host_cache.n_free(), 8 - 2);  // the served request's two pages
+}
+
 // ---- bad input ----
 
 TEST(PrefixCache, BadInputThrowsNamingTheArgumentAndChangesNothing) {

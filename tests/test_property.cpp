@@ -1,5 +1,7 @@
 // Property test: thousands of random alloc/alloc_n/free/retain/write/gather
-// operations, good and bad, against a simple per-token reference model, for
+// operations (gathers also through bind with per-sequence lengths, whose rows
+// may start with the -1 columns of a windowed table), good and bad, against
+// a simple per-token reference model, for
 // both layouts, page sizes 1/3/16 and float32/float16/bfloat16, on every
 // target. Every call must either agree with the model or throw c10::Error
 // leaving the model's view of the cache unchanged.
@@ -164,7 +166,7 @@ void PropertyTest::run(uint64_t seed, int steps) {
     ASSERT_NO_THROW(cache.check());
   };
 
-  int writes_done = 0, gathers_done = 0, rejected = 0;
+  int writes_done = 0, gathers_done = 0, rejected = 0, binds_done = 0;
   for (int step = 0; step < steps; ++step) {
     const int64_t op = uniform(0, 9);
     if (op == 0) {
@@ -292,6 +294,44 @@ void PropertyTest::run(uint64_t seed, int steps) {
             valid = valid && model.allocated(rows[static_cast<size_t>(b)][static_cast<size_t>(c)]);
         }
         const int64_t T = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
+        if (uniform(0, 1) == 1) {  // through bind, which takes a windowed table's rows (leading -1 columns)
+          auto windowed = rows;
+          for (auto& r : windowed) {
+            const int64_t released = uniform(0, 3) == 0 ? uniform(1, cols) : 0;
+            std::fill(r.begin(), r.begin() + released, int64_t{-1});
+          }
+          bool bindable = true, readable = true;
+          for (int64_t b = 0; b < batch; ++b) {
+            const auto& r = windowed[static_cast<size_t>(b)];
+            const int64_t length = lengths[static_cast<size_t>(b)];
+            if (length == 0) continue;
+            const int64_t last = (length - 1) / P;
+            int64_t first = 0;
+            while (r[0] == -1 && first < last && r[static_cast<size_t>(first)] == -1) ++first;
+            for (int64_t c = first; c <= last; ++c) bindable = bindable && model.allocated(r[static_cast<size_t>(c)]);
+            for (int64_t c = 0; c <= last; ++c) readable = readable && model.allocated(r[static_cast<size_t>(c)]);
+          }
+          const at::Tensor wpt = pagedkv_test::table(windowed, uniform(0, 1) ? at::kInt : at::kLong);
+          const at::Tensor lens = pagedkv_test::ints(lengths);
+          if (!bindable) {
+            expect_throws([&] { cache.bind(wpt, lens); });
+            ++rejected;
+            continue;
+          }
+          const auto view = cache.bind(wpt, lens);
+          ++binds_done;
+          if (!readable) {  // a gather without a window refuses the released columns bind let through
+            expect_throws([&] { view.gather(layer); });
+            ++rejected;
+            continue;
+          }
+          const auto kv = view.gather(layer);
+          ++gathers_done;
+          expect_model(layer, windowed, lengths, T, kv.first, kv.second);
+          expect_pool_matches();
+          if (HasFatalFailure()) return;
+          continue;
+        }
         auto call = [&] { return cache.gather(layer, pt, pagedkv_test::ints(lengths)); };
         if (!valid) {
           expect_throws([&] { call(); });
@@ -310,9 +350,11 @@ void PropertyTest::run(uint64_t seed, int steps) {
   EXPECT_GT(writes_done, steps / 20);
   EXPECT_GT(gathers_done, steps / 20);
   EXPECT_GT(rejected, steps / 50);
+  EXPECT_GT(binds_done, steps / 100);
   RecordProperty("writes", writes_done);
   RecordProperty("gathers", gathers_done);
   RecordProperty("rejected", rejected);
+  RecordProperty("binds", binds_done);
 }
 
 TEST_P(PropertyTest, NHDAgreesWithTheModel) { run<NHD>(1234 + std::get<1>(GetParam()).page_size, 1500); }

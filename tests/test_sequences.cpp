@@ -17,9 +17,23 @@
 
 #include "test_support.hpp"
 
+namespace pagedkv {
+struct SequenceTableTestAccess {
+  template <class L>
+  static std::vector<int64_t>& pages(SequenceTable<L>& table, int64_t seq) {
+    return table.seqs_[static_cast<size_t>(seq)].pages;
+  }
+  template <class L>
+  static int64_t& dropped(SequenceTable<L>& table, int64_t seq) {
+    return table.seqs_[static_cast<size_t>(seq)].dropped;
+  }
+};
+}  // namespace pagedkv
+
 namespace {
 
 using pagedkv::SequenceTable;
+using pagedkv::SequenceTableTestAccess;
 using namespace pagedkv_test;
 
 constexpr int64_t kHeads = 2;
@@ -618,23 +632,406 @@ TEST_P(SequencesTest, DestroyingATableFreesItsPages) {
   EXPECT_EQ(hc.n_free(), hc.n_pages());  // ...which frees it when it goes
 }
 
+// ---- truncate ------------------------------------------------------------
+
+TEST_P(SequencesTest, TruncateKeepsThePrefixAndFreesEveryPageAfterIt) {
+  auto cache = device_cache(8);
+  SequenceTable<NHD> table(cache);
+  const int64_t a = table.create();
+  append(table, a, range(0, 10));  // pages {0, 1, 2, 3}; page 3 holds token 9
+  ASSERT_TRUE(table.reserve(a, 15));  // + page 4, reserved
+  table.truncate(a, 7);               // tokens 0..6: pages {0, 1, 2}, page 2 partly kept
+  EXPECT_EQ(table.length(a), 7);
+  EXPECT_EQ(table.pages(a), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(table.capacity(a), 9);
+  EXPECT_EQ(cache.n_free(), 5);
+  expect_contents(table, {{a, range(0, 7)}}, "truncated");
+  append(table, a, {70, 71, 72});  // overwrites the rolled-back tokens 7, 8 in page 2, then page 3 again
+  expect_contents(table, {{a, {0, 1, 2, 3, 4, 5, 6, 70, 71, 72}}}, "appended after truncate");
+  table.truncate(a, 10);  // the whole length: only reserved pages could go, there are none
+  EXPECT_EQ(table.pages(a), (std::vector<int64_t>{0, 1, 2, 3}));
+  ASSERT_TRUE(table.reserve(a, 12));
+  EXPECT_EQ(table.capacity(a), 12);
+  table.truncate(a, 9);  // on a page boundary: page 3 (one token and the reserved rest) goes
+  EXPECT_EQ(table.pages(a), (std::vector<int64_t>{0, 1, 2}));
+  table.truncate(a, 0);
+  EXPECT_TRUE(table.pages(a).empty());
+  EXPECT_EQ(table.length(a), 0);
+  EXPECT_EQ(cache.n_free(), cache.n_pages());
+  append(table, a, {5});
+  expect_contents(table, {{a, {5}}}, "refilled");
+  EXPECT_NO_THROW(table.check());
+}
+
+TEST_P(SequencesTest, TruncateLeavesSharedPagesWithTheirOtherHolders) {
+  auto cache = device_cache(10);
+  SequenceTable<NHD> table(cache);
+  const int64_t a = table.create();
+  append(table, a, range(0, 10));  // 4 pages
+  const int64_t b = table.fork(a);
+  table.truncate(a, 4);  // a keeps pages 0 and 1 (1 partly); pages 2 and 3 stay b's alone
+  EXPECT_EQ(table.pages(a), (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(cache.ref_count(0), 2);
+  EXPECT_EQ(cache.ref_count(1), 2);
+  EXPECT_EQ(cache.ref_count(2), 1);
+  EXPECT_EQ(cache.ref_count(3), 1);
+  expect_refcounts_match(cache, table);
+  // the partly kept shared page is copied by the next write, not overwritten
+  ASSERT_TRUE(table.prepare_append(a, 2));
+  EXPECT_EQ(table.pages(a)[0], 0);
+  EXPECT_NE(table.pages(a)[1], 1);
+  EXPECT_EQ(cache.ref_count(1), 1);
+  write_tokens(table, a, {40, 41});
+  expect_contents(table, {{a, {0, 1, 2, 3, 40, 41}}, {b, range(0, 10)}}, "after the copy-on-write");
+  table.truncate(b, 0);
+  EXPECT_TRUE(table.pages(b).empty());
+  expect_refcounts_match(cache, table);
+  expect_contents(table, {{a, {0, 1, 2, 3, 40, 41}}, {b, {}}}, "b emptied");
+  EXPECT_NO_THROW(table.check());
+}
+
+TEST_P(SequencesTest, TruncateBadInputThrowsAndChangesNothing) {
+  auto cache = device_cache(8);
+  SequenceTable<NHD> table(cache);
+  auto hc = host_cache(8);
+  SequenceTable<HND> host(hc);
+  const int64_t a = table.create();
+  append(table, a, range(0, 5));
+  ASSERT_TRUE(table.reserve(a, 9));
+  const int64_t swapped = table.create();
+  append(table, swapped, range(20, 4));
+  ASSERT_TRUE(table.swap_out(swapped, host));
+  const int64_t gone = table.create();
+  table.release(gone);
+  const Snapshot before(table, {a, swapped});
+  const Snapshot host_before(host, {0});
+  expect_error([&] { table.truncate(a, 6); },
+               {"pagedkv::SequenceTable<NHD>::truncate", "argument 'n_tokens'", "expected in [0, 5]", "got 6"});
+  expect_error([&] { table.truncate(a, -1); }, {"SequenceTable<NHD>::truncate", "'n_tokens'", "[0, 5]", "got -1"});
+  expect_error([&] { table.truncate(a, std::numeric_limits<int64_t>::max()); }, {"truncate", "'n_tokens'"});
+  expect_error([&] { table.truncate(gone, 0); }, {"SequenceTable<NHD>::truncate", "'seq'", "live sequence id",
+                                                  "got " + std::to_string(gone), "(released)"});
+  expect_error([&] { table.truncate(9, 0); }, {"truncate", "'seq'", "got 9", "(unknown)"});
+  expect_error([&] { table.truncate(swapped, 2); }, {"SequenceTable<NHD>::truncate", "'seq'", "swapped out"});
+  expect_error([&] { host.truncate(0, 2); },
+               {"SequenceTable<HND>::truncate", "'seq'", "holds another table's swapped-out sequence"});
+  before.expect_same(table, "truncate bad input");
+  host_before.expect_same(host, "truncate bad input (host side)");
+  EXPECT_EQ(table.capacity(a), 9);
+  EXPECT_EQ(table.length(swapped), 4);
+  // a page freed behind the table's back: throws before freeing any other
+  const std::vector<int64_t> pages = table.pages(a);  // {p0, p1, p2}; tokens in p0, p1
+  cache.free(pages[2]);
+  {
+    const Snapshot freed(table, {a});
+    expect_error([&] { table.truncate(a, 2); },
+                 {"SequenceTable<NHD>::truncate", "whose page " + std::to_string(pages[2]) + " (its page 2) is free"});
+    freed.expect_same(table, "truncate over a page freed behind its back");
+  }
+  ASSERT_EQ(cache.alloc(), pages[2]);
+  table.truncate(a, 2);
+  expect_contents(table, {{a, {0, 1}}}, "after the repair");
+  EXPECT_NO_THROW(table.check());
+}
+
+// ---- windowed tables ------------------------------------------------------
+
+/// A one-row page table.
+at::Tensor table_tensor(const std::vector<int64_t>& row) { return pagedkv_test::table({row}); }
+
+/// Every sequence in `expected` (all the tokens it has seen) keeps exactly
+/// its window: released columns read -1 in pages() and batch(), the held
+/// ones gather the tokens from the first held column on.
+template <class L>
+void expect_window_contents(const SequenceTable<L>& table, const std::map<int64_t, std::vector<int64_t>>& expected,
+                            const std::string& what) {
+  const PagedCache<L>& cache = table.cache();
+  const int64_t page_size = cache.page_size(), w = table.window();
+  for (const auto& e : expected) {
+    const auto n = static_cast<int64_t>(e.second.size());
+    ASSERT_EQ(table.length(e.first), n) << what;
+    const std::vector<int64_t>& pages = table.pages(e.first);
+    const int64_t dropped = w == 0 || n < w ? 0 : (n - w + 1) / page_size;
+    ASSERT_GE(static_cast<int64_t>(pages.size()), dropped) << what;
+    for (int64_t j = 0; j < static_cast<int64_t>(pages.size()); ++j)
+      EXPECT_EQ(pages[static_cast<size_t>(j)] < 0, j < dropped) << what << ": column " << j << " of " << e.first;
+    const std::pair<at::Tensor, at::Tensor> pt_len = table.batch({e.first});
+    EXPECT_EQ(pt_len.first.size(1), static_cast<int64_t>(pages.size())) << what;
+    for (int64_t j = 0; j < pt_len.first.size(1); ++j)
+      EXPECT_EQ(pt_len.first[0][j].item<int64_t>(), pages[static_cast<size_t>(j)]) << what;
+    const int64_t held_tokens = n - dropped * page_size;
+    if (held_tokens <= 0) continue;
+    const at::Tensor held =
+        table_tensor(std::vector<int64_t>(pages.begin() + static_cast<std::ptrdiff_t>(dropped), pages.end()));
+    const std::vector<int64_t> ids(e.second.begin() + static_cast<std::ptrdiff_t>(dropped * page_size),
+                                   e.second.end());
+    for (int64_t layer = 0; layer < cache.n_layers(); ++layer) {
+      const auto kv = cache.gather(layer, held, ints({held_tokens}));
+      EXPECT_TRUE(bitwise_equal(kv.first[0].cpu(), token_k(ids, layer))) << what << ": k of " << e.first;
+      EXPECT_TRUE(bitwise_equal(kv.second[0].cpu(), token_v(ids, layer))) << what << ": v of " << e.first;
+    }
+  }
+}
+
+TEST_P(SequencesTest, WindowedTableReleasesThePagesNoLaterQuerySees) {
+  auto cache = device_cache(8);
+  SequenceTable<NHD> table(cache, /*window=*/5);
+  EXPECT_EQ(table.window(), 5);
+  const int64_t a = table.create();
+  std::vector<int64_t> seen;
+  for (int64_t t = 0; t < 40; ++t) {  // one token a step: pages fall out after each commit
+    ASSERT_TRUE(table.prepare_append(a, 1)) << t;
+    write_tokens(table, a, {t});
+    seen.push_back(t);
+    // the next query, at position t + 1, sees [t - 3, t + 1]
+    const int64_t dropped = std::max<int64_t>(0, t + 1 - 5 + 1) / 3;
+    EXPECT_EQ(std::count(table.pages(a).begin(), table.pages(a).end(), int64_t{-1}), dropped) << t;
+    EXPECT_LE(cache.n_pages() - cache.n_free(), 3) << t;  // ceil(4 / 3) + 1 pages at most
+    if (t % 7 == 0) expect_window_contents(table, {{a, seen}}, "step " + std::to_string(t));
+  }
+  EXPECT_EQ(table.length(a), 40);  // positions keep counting
+  expect_window_contents(table, {{a, seen}}, "after 40 tokens");
+  EXPECT_NO_THROW(table.check());
+  table.release(a);
+  EXPECT_EQ(cache.n_free(), cache.n_pages());
+}
+
+// A chunk's queries see the window of its first token: its pages stay
+// until commit_append, then everything older than the last window goes.
+TEST_P(SequencesTest, WindowedPrefillHoldsItsPagesUntilTheCommit) {
+  auto cache = device_cache(8);
+  SequenceTable<NHD> table(cache, /*window=*/4);
+  const int64_t a = table.create();
+  ASSERT_TRUE(table.prepare_append(a, 10));
+  EXPECT_EQ(table.pages(a), (std::vector<int64_t>{0, 1, 2, 3}));
+  const auto pt_len = table.batch({a});
+  const auto view = cache.bind(pt_len.first, pt_len.second + 10);
+  const at::TensorOptions o = cache.k_cache().options();
+  for (int64_t layer = 0; layer < kLayers; ++layer)
+    view.write(layer, 0, token_k(range(0, 10), layer).unsqueeze(0).to(o), token_v(range(0, 10), layer).unsqueeze(0).to(o));
+  EXPECT_EQ(view.gather(0).first.size(1), 10);  // every page is still there for the chunk's attention
+  table.commit_append(a, 10);  // the next query (position 10) sees [7, 10]: pages 0 and 1 go
+  EXPECT_EQ(table.pages(a), (std::vector<int64_t>{-1, -1, 2, 3}));
+  EXPECT_EQ(cache.n_free(), 6);
+  expect_window_contents(table, {{a, range(0, 10)}}, "after the chunk");
+  // window 1: after each commit no held page but the next token's
+  SequenceTable<NHD> one(cache, /*window=*/1);
+  const int64_t b = one.create();
+  append(one, b, range(0, 6));  // the next query (position 6) sees only itself
+  EXPECT_EQ(one.pages(b), (std::vector<int64_t>{-1, -1}));
+  append(one, b, {6, 7});
+  EXPECT_EQ(one.pages(b).size(), 3u);
+  EXPECT_EQ(std::count(one.pages(b).begin(), one.pages(b).end(), int64_t{-1}), 2);
+  expect_window_contents(one, {{b, range(0, 8)}}, "window 1");
+  EXPECT_NO_THROW(one.check());
+}
+
+TEST_P(SequencesTest, BindAcceptsAWindowedRowAndReadsWithoutAWindowStillRefuseIt) {
+  auto cache = device_cache(8);
+  SequenceTable<NHD> table(cache, /*window=*/4);
+  const int64_t a = table.create();
+  append(table, a, range(0, 10));  // {-1, -1, p, p}
+  ASSERT_TRUE(table.prepare_append(a, 1));
+  const auto pt_len = table.batch({a});
+  const at::Tensor lengths = pt_len.second + 1;
+  const auto view = cache.bind(pt_len.first, lengths);  // leading -1 columns are fine
+  const at::TensorOptions o = cache.k_cache().options();
+  const at::Tensor k1 = token_k({10}, 0).unsqueeze(0).to(o), v1 = token_v({10}, 0).unsqueeze(0).to(o);
+  view.write(0, pt_len.second, k1, v1);  // a write into the held pages is fine
+  const CacheSnapshot before(cache);
+  expect_error([&] { view.gather(0); }, {"gather", "'lengths'", "first -1 at column 0"});
+  expect_error([&] { cache.gather(0, pt_len.first, lengths); }, {"gather", "'lengths'", "first -1 at column 0"});
+  expect_error([&] { view.write(0, 0, k1, v1); }, {"write", "'page_table'", "(unmapped)"});
+  const at::Tensor q = at::zeros({1, 1, kHeads, kDim}, o);
+  expect_error([&] { pagedkv::paged_attention(view, 0, q); }, {"paged_attention", "'lengths'", "first -1 at column 0"});
+  before.expect_same(cache, "reads of a windowed row without a window");
+  // bind itself refuses -1 anywhere but in leading columns, and at the last token
+  const int64_t p = table.pages(a)[2];
+  expect_error([&] { cache.bind(table_tensor({p, -1, p}), ints({9})); },
+               {"PagedCache<NHD>::bind", "'lengths'", "lengths[0] <= 3", "first -1 at column 1", "got 9"});
+  const int64_t q_page = table.pages(a)[3];
+  expect_error([&] { cache.bind(table_tensor({-1, p, -1, q_page}), ints({12})); },
+               {"PagedCache<NHD>::bind", "'page_table'", "page_table[0][2]", "position lengths[0] - 1 = 11", "got -1"});
+  expect_error([&] { cache.bind(table_tensor({-1, -1, p}), ints({6})); },
+               {"bind", "'page_table'", "page_table[0][1]", "position lengths[0] - 1 = 5", "got -1"});
+  expect_error([&] { cache.bind(table_tensor({-1, p}), ints({7})); }, {"bind", "'lengths'", "<= 6"});
+  EXPECT_NO_THROW(cache.bind(table_tensor({-1, -1}), ints({0})));
+  EXPECT_NO_THROW(cache.bind(table_tensor({-1, -1, p}), ints({9})));
+  EXPECT_NO_THROW(cache.bind(table_tensor({-1, p, q_page}), ints({9})));
+  const int64_t freed = cache.alloc();
+  cache.free(freed);
+  expect_error([&] { cache.bind(table_tensor({-1, freed}), ints({5})); }, {"bind", "page_table[0][1]", "which is free"});
+}
+
+TEST_P(SequencesTest, WindowedForkCopyOnWriteAndSwapMoveOnlyTheHeldPages) {
+  auto cache = device_cache(10);
+  SequenceTable<NHD> table(cache, /*window=*/5);
+  auto hc = host_cache(10);
+  SequenceTable<HND> host(hc);
+  const int64_t a = table.create();
+  append(table, a, range(0, 11));  // the next query sees [7, 11]: {-1, -1, p2, p3}
+  EXPECT_EQ(table.pages(a), (std::vector<int64_t>{-1, -1, 2, 3}));
+  const int64_t b = table.fork(a);  // shares only the held pages
+  EXPECT_EQ(table.pages(b), table.pages(a));
+  EXPECT_EQ(cache.ref_count(2), 2);
+  EXPECT_EQ(cache.ref_count(3), 2);
+  EXPECT_EQ(cache.n_free(), 8);
+  append(table, b, {50});  // page 3 holds tokens 9, 10: copied
+  EXPECT_NE(table.pages(b)[3], 3);
+  std::vector<int64_t> b_tokens = range(0, 11);
+  b_tokens.push_back(50);
+  expect_window_contents(table, {{a, range(0, 11)}, {b, b_tokens}}, "fork + cow");
+  expect_refcounts_match(cache, table);
+  // swap_out moves the held pages that hold tokens; the host row keeps the released columns
+  ASSERT_TRUE(table.reserve(a, 15));  // + 1 reserved page, not swapped
+  const int64_t host_free = hc.n_free();
+  ASSERT_TRUE(table.swap_out(a, host));
+  EXPECT_EQ(hc.n_free(), host_free - 2);
+  EXPECT_EQ(host.pages(0).size(), 4u);
+  EXPECT_EQ(host.pages(0)[0], -1);
+  EXPECT_EQ(host.pages(0)[1], -1);
+  EXPECT_EQ(host.length(0), 11);
+  append(table, b, {51, 52});
+  b_tokens.push_back(51);
+  b_tokens.push_back(52);
+  ASSERT_TRUE(table.swap_in(a, host));
+  EXPECT_EQ(hc.n_free(), hc.n_pages());
+  EXPECT_EQ(table.pages(a)[0], -1);
+  EXPECT_EQ(table.pages(a)[1], -1);
+  EXPECT_EQ(table.capacity(a), 12);
+  append(table, a, {60, 61});
+  std::vector<int64_t> a_tokens = range(0, 11);
+  a_tokens.push_back(60);
+  a_tokens.push_back(61);
+  expect_window_contents(table, {{a, a_tokens}, {b, b_tokens}}, "after the swap");
+  expect_refcounts_match(cache, table);
+  EXPECT_NO_THROW(table.check());
+  EXPECT_NO_THROW(host.check());
+  table.release(a);
+  table.release(b);
+  EXPECT_EQ(cache.n_free(), cache.n_pages());
+}
+
+// A window cannot grow back: truncate keeps a length only while the next
+// query's window starts at or after the first held token.
+TEST_P(SequencesTest, WindowedTruncateStaysInsideTheHeldWindow) {
+  auto cache = device_cache(10);
+  SequenceTable<NHD> table(cache, /*window=*/5);
+  const int64_t a = table.create();
+  append(table, a, range(0, 14));  // the next query sees [10, 14]: columns 0-2 released, tokens from 9 held
+  ASSERT_EQ(table.pages(a), (std::vector<int64_t>{-1, -1, -1, 3, 4}));
+  const Snapshot before(table, {a});
+  expect_error([&] { table.truncate(a, 12); },
+               {"pagedkv::SequenceTable<NHD>::truncate", "argument 'n_tokens'", "expected >= 13",
+                "window is 5 tokens", "before position 9", "got 12"});
+  expect_error([&] { table.truncate(a, 0); }, {"truncate", "'n_tokens'", ">= 13", "got 0"});
+  before.expect_same(table, "truncate below the window");
+  table.truncate(a, 13);  // the next query sees [9, 13]: nothing more to release
+  EXPECT_EQ(table.pages(a), (std::vector<int64_t>{-1, -1, -1, 3, 4}));
+  expect_window_contents(table, {{a, range(0, 13)}}, "truncated in the window");
+  append(table, a, {70, 71});
+  std::vector<int64_t> tokens = range(0, 13);
+  tokens.push_back(70);
+  tokens.push_back(71);
+  expect_window_contents(table, {{a, tokens}}, "appended after truncate");
+  // before anything is released, any length may be kept
+  const int64_t b = table.create();
+  append(table, b, range(0, 6));  // the next query sees [2, 6]: nothing released
+  table.truncate(b, 0);
+  EXPECT_TRUE(table.pages(b).empty());
+  EXPECT_NO_THROW(table.check());
+  // A page freed behind the table's back: the commit that would release it throws, changing nothing.
+  const int64_t c = table.create();
+  append(table, c, range(0, 6));  // the next query sees [2, 6]: nothing released yet
+  ASSERT_TRUE(table.prepare_append(c, 1));
+  const int64_t first = table.pages(c)[0];
+  cache.free(first);
+  {
+    const Snapshot freed(table, {a, c});
+    expect_error([&] { table.commit_append(c, 1); },
+                 {"SequenceTable<NHD>::commit_append", "whose page " + std::to_string(first) + " (its page 0) is free"});
+    freed.expect_same(table, "commit_append over a page freed behind its back");
+  }
+  ASSERT_EQ(cache.alloc(), first);
+  table.commit_append(c, 1);  // the next query sees [3, 7]: page 0 goes
+  EXPECT_EQ(table.pages(c)[0], -1);
+  expect_window_contents(table, {{c, range(0, 7)}}, "after the repair");
+  EXPECT_NO_THROW(table.check());
+}
+
+TEST_P(SequencesTest, WindowAndPrefixCacheBadInputThrow) {
+  auto cache = device_cache(4);
+  expect_error([&] { SequenceTable<NHD> bad(cache, -1); },
+               {"pagedkv::SequenceTable<NHD>::SequenceTable", "argument 'window'", ">= 0", "got -1"});
+  SequenceTable<NHD> windowed(cache, /*window=*/8);
+  expect_error([&] { pagedkv::PrefixCache<NHD> prefix(windowed); },
+               {"pagedkv::PrefixCache<NHD>", "argument 'seqs'", "without a window", "window 8"});
+  // the refusal left the table free for a later prefix cache... of an unwindowed table
+  SequenceTable<NHD> plain(cache);
+  EXPECT_EQ(plain.window(), 0);
+  EXPECT_NO_THROW(pagedkv::PrefixCache<NHD> prefix(plain));
+  const int64_t s = windowed.create();
+  append(windowed, s, range(0, 3));
+  EXPECT_EQ(cache.n_free(), 3);
+}
+
+TEST_P(SequencesTest, CheckNamesTheFirstBrokenInvariant) {
+  auto cache = device_cache(10);
+  SequenceTable<NHD> table(cache, /*window=*/4);
+  const int64_t a = table.create();
+  append(table, a, range(0, 10));  // {-1, -1, p2, p3}
+  const std::vector<int64_t> pages = table.pages(a);
+  EXPECT_NO_THROW(table.check());
+  const std::vector<int64_t> released = cache.alloc_n(2);  // the window's pages 0 and 1: the lowest free
+  ASSERT_EQ(released, (std::vector<int64_t>{0, 1}));
+  EXPECT_NO_THROW(table.check());  // pages held outside the table are fine
+  cache.free(pages[2]);
+  expect_error([&] { table.check(); }, {"pagedkv::SequenceTable<NHD>::check", "sequence 0 holds page " +
+                                        std::to_string(pages[2]) + " in column 2", "not an allocated page"});
+  ASSERT_EQ(cache.alloc(), pages[2]);
+  const int64_t b = table.fork(a);
+  cache.free(pages[3]);  // one of its two references
+  expect_error([&] { table.check(); }, {"check", "page " + std::to_string(pages[3]) + " has ref_count 1",
+                                        "the table holds 2 references"});
+  cache.retain(pages[3]);
+  SequenceTableTestAccess::dropped(table, b) = 1;
+  expect_error([&] { table.check(); }, {"check", "sequence 1 of length 10 has 1 released pages, expected 2",
+                                        "window 4"});
+  SequenceTableTestAccess::dropped(table, b) = 2;
+  SequenceTableTestAccess::pages(table, b)[1] = pages[2];
+  expect_error([&] { table.check(); }, {"check", "sequence 1 holds page " + std::to_string(pages[2]),
+                                        "in released column 1"});
+  SequenceTableTestAccess::pages(table, b)[1] = -1;
+  SequenceTableTestAccess::pages(table, b)[3] = pages[2];
+  expect_error([&] { table.check(); }, {"check", "sequence 1 holds page " + std::to_string(pages[2]) + " twice"});
+  SequenceTableTestAccess::pages(table, b)[3] = pages[3];
+  SequenceTableTestAccess::pages(table, b).pop_back();
+  expect_error([&] { table.check(); }, {"check", "sequence 1 has length 10 but 3 pages"});
+  SequenceTableTestAccess::pages(table, b).push_back(pages[3]);
+  EXPECT_NO_THROW(table.check());
+  for (int64_t page : released) cache.free(page);
+}
+
 // ---- property test -------------------------------------------------------
 
 /// Random create / reserve / fork / append (prepare, write, commit) /
-/// release / swap_out / swap_in against a model of per-sequence token lists.
+/// truncate / release / swap_out / swap_in against a model of per-sequence
+/// token lists; with a window, each sequence must hold exactly its window.
 template <class DevLayout, class HostLayout>
-void run_property(const at::TensorOptions& dev_opts, uint64_t seed, int64_t steps) {
+void run_property(const at::TensorOptions& dev_opts, uint64_t seed, int64_t steps, int64_t window = 0) {
   const int64_t page_size = 1 + static_cast<int64_t>(seed % 4);  // 1..4
   PagedCache<DevLayout> cache(kLayers, 24, page_size, kHeads, kDim, dev_opts);
   PagedCache<HostLayout> hc(kLayers, 14, page_size, kHeads, kDim, at::TensorOptions().dtype(at::kFloat));
-  SequenceTable<DevLayout> table(cache);
+  SequenceTable<DevLayout> table(cache, window);
   SequenceTable<HostLayout> host(hc);
   std::mt19937_64 rng(seed);
   auto uniform = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   std::map<int64_t, std::vector<int64_t>> model;  // every live device-table sequence
   std::set<int64_t> swapped;
   int64_t next_token = 0;
-  int64_t failed = 0, cow_forks = 0, swaps = 0;
+  int64_t failed = 0, cow_forks = 0, swaps = 0, truncates = 0, refused_truncates = 0;
+  // The first token the next query of a sequence of n tokens sees lies in column dropped(n).
+  auto dropped = [&](int64_t n) { return window == 0 || n < window ? 0 : (n - window + 1) / page_size; };
   auto pick = [&](bool resident) -> int64_t {
     std::vector<int64_t> ids;
     for (const auto& m : model)
@@ -662,12 +1059,31 @@ void run_property(const at::TensorOptions& dev_opts, uint64_t seed, int64_t step
       } else {
         EXPECT_GE(table.capacity(s), want) << what;
       }
-    } else if (op < 35) {
+    } else if (op < 33) {
       const int64_t s = pick(true);
       if (s < 0) continue;
       const int64_t child = table.fork(s);
       model[child] = model[s];
       ++cow_forks;
+    } else if (op < 43) {
+      const int64_t s = pick(true);
+      if (s < 0) continue;
+      const auto length = static_cast<int64_t>(model[s].size());
+      const int64_t n = uniform(0, 2) == 0 ? uniform(0, length) : std::max<int64_t>(0, length - uniform(0, 3));
+      const int64_t first_held = dropped(length) * page_size;
+      if (first_held > 0 && n - first_held < window - 1) {  // the window would reach released pages
+        const auto pages_before = table.pages(s);
+        const int64_t free_before = cache.n_free();
+        EXPECT_THROW(table.truncate(s, n), c10::Error) << what;
+        EXPECT_EQ(table.pages(s), pages_before) << what;
+        EXPECT_EQ(cache.n_free(), free_before) << what;
+        ++refused_truncates;
+      } else {
+        table.truncate(s, n);
+        model[s].resize(static_cast<size_t>(n));
+        EXPECT_EQ(table.capacity(s), (n + page_size - 1) / page_size * page_size) << what;
+        ++truncates;
+      }
     } else if (op < 75) {
       const int64_t s = pick(true);
       if (s < 0) continue;
@@ -687,6 +1103,11 @@ void run_property(const at::TensorOptions& dev_opts, uint64_t seed, int64_t step
       next_token += n;
       write_tokens(table, s, ids);
       model[s].insert(model[s].end(), ids.begin(), ids.end());
+      if (window > 0) {  // the pages that hold tokens: the window's and the next token's
+        const int64_t length = table.length(s);
+        const int64_t holding = (length + page_size - 1) / page_size - dropped(length);
+        EXPECT_LE(holding, (window - 1 + page_size - 1) / page_size + 1) << what;
+      }
     } else if (op < 85) {
       const int64_t s = uniform(0, 1) ? pick(true) : pick(false);
       if (s < 0) continue;
@@ -720,6 +1141,8 @@ void run_property(const at::TensorOptions& dev_opts, uint64_t seed, int64_t step
     // invariants after every step
     expect_refcounts_match(cache, table);
     expect_refcounts_match(hc, host);
+    ASSERT_NO_THROW(table.check()) << what;
+    ASSERT_NO_THROW(host.check()) << what;
     for (const auto& m : model) {
       ASSERT_TRUE(table.contains(m.first)) << what;
       ASSERT_EQ(table.length(m.first), static_cast<int64_t>(m.second.size())) << what;
@@ -731,7 +1154,11 @@ void run_property(const at::TensorOptions& dev_opts, uint64_t seed, int64_t step
       std::map<int64_t, std::vector<int64_t>> resident;
       for (const auto& m : model)
         if (!swapped.count(m.first)) resident.insert(m);
-      expect_contents(table, resident, what);
+      if (window == 0) {
+        expect_contents(table, resident, what);
+      } else {
+        expect_window_contents(table, resident, what);
+      }
       if (::testing::Test::HasFailure()) return;
     }
   }
@@ -744,6 +1171,10 @@ void run_property(const at::TensorOptions& dev_opts, uint64_t seed, int64_t step
   EXPECT_GT(failed, 0) << "seed " << seed;
   EXPECT_GT(cow_forks, 0) << "seed " << seed;
   EXPECT_GT(swaps, 0) << "seed " << seed;
+  EXPECT_GT(truncates, 0) << "seed " << seed;
+  if (window > 0) {
+    EXPECT_GT(refused_truncates, 0) << "seed " << seed;
+  }
 }
 
 TEST_P(SequencesTest, PropertyRandomOperationsMatchAReferenceModel) {
@@ -751,6 +1182,14 @@ TEST_P(SequencesTest, PropertyRandomOperationsMatchAReferenceModel) {
     run_property<NHD, HND>(opts(), seed, 250);
     run_property<HND, HND>(opts(), seed + 100, 250);
     run_property<HND, NHD>(opts(), seed + 200, 150);
+    if (HasFailure()) return;
+  }
+}
+
+TEST_P(SequencesTest, PropertyWindowedTablesMatchAReferenceModel) {
+  for (uint64_t seed = 1; seed <= 6; ++seed) {
+    run_property<NHD, HND>(opts(), seed + 300, 250, /*window=*/1 + static_cast<int64_t>(seed % 3) * 3);  // 1, 4, 7
+    run_property<HND, NHD>(opts(), seed + 400, 200, /*window=*/static_cast<int64_t>(seed) + 1);
     if (HasFailure()) return;
   }
 }

@@ -1204,6 +1204,92 @@ TEST(TransferInProcess, FormatsThatDifferAreRejectedNamingBoth) {
   EXPECT_EQ(sender.sent.size(), 1u);  // the header, no payload
 }
 
+/// The tokens a windowed table's sequence still holds: its held columns, gathered.
+std::pair<at::Tensor, at::Tensor> held_tokens(const SequenceTable<NHD>& seqs, int64_t seq, int64_t layer,
+                                              int64_t from_column) {
+  const std::vector<int64_t>& pages = seqs.pages(seq);
+  const int64_t page_size = seqs.cache().page_size();
+  return seqs.cache().gather(layer, table({std::vector<int64_t>(pages.begin() + from_column, pages.end())}),
+                             ints({seqs.length(seq) - from_column * page_size}));
+}
+
+// A windowed table's sequence travels with the pages it still holds: the
+// header names the released columns; a table whose window keeps nothing
+// before them takes it (and releases what its own window drops), while a
+// table that would need them, and recv_pages, refuse it on both sides.
+TEST(TransferInProcess, WindowedSequencesMoveOnlyTheirHeldPages) {
+  namespace w = pagedkv::transfer_wire;
+  const auto make = [] { return PagedCache<NHD>(2, 12, 3, 2, 4, at::TensorOptions().dtype(at::kFloat)); };
+  PagedCache<NHD> src = make();
+  SequenceTable<NHD> src_seqs(src, /*window=*/4);
+  const int64_t seq = src_seqs.create();
+  ASSERT_TRUE(src_seqs.prepare_append(seq, 14));
+  const auto pt = src_seqs.batch({seq});
+  for (int64_t layer = 0; layer < 2; ++layer) {
+    src.write(layer, pt.first, 0, pattern({1, 14, 2, 4}, 2 * layer, src.k_cache().options()),
+              pattern({1, 14, 2, 4}, 2 * layer + 1, src.k_cache().options()));
+  }
+  src_seqs.commit_append(seq, 14);  // the next query sees [11, 14]: columns 0-2 released
+  ASSERT_EQ(src_seqs.pages(seq)[2], -1);
+  FakeGroup sender;
+  sender.inbox.push_back(ints({w::kReplyMagic, w::accept, 7, 0}));
+  pagedkv::send_sequence(sender, 1, src_seqs, seq, 7, kTimeout);
+  ASSERT_EQ(sender.sent.size(), 1u + 2u);  // header + one message per layer
+  EXPECT_EQ(sender.sent[0][w::first_page].item<int64_t>(), 3);
+  EXPECT_EQ(sender.sent[0][w::n_pages].item<int64_t>(), 2);
+  EXPECT_EQ(sender.sent[0][w::n_tokens].item<int64_t>(), 14);
+  // The same window, and a smaller one (which releases one page more: (14 - 2 + 1) / 3 = 4).
+  for (const int64_t window : {4, 2}) {
+    PagedCache<NHD> dst = make();
+    SequenceTable<NHD> dst_seqs(dst, window);
+    FakeGroup receiver;
+    receiver.rank = 1;
+    receiver.inbox = sender.sent;
+    const int64_t got = pagedkv::recv_sequence(receiver, 0, dst_seqs, 7, kTimeout);
+    const int64_t released = window == 4 ? 3 : 4;
+    EXPECT_EQ(dst_seqs.length(got), 14);
+    ASSERT_EQ(dst_seqs.pages(got).size(), 5u);
+    for (int64_t j = 0; j < 5; ++j) EXPECT_EQ(dst_seqs.pages(got)[static_cast<size_t>(j)] < 0, j < released) << j;
+    EXPECT_EQ(dst.n_free(), 12 - (5 - released)) << "window " << window;
+    EXPECT_NO_THROW(dst_seqs.check());
+    for (int64_t layer = 0; layer < 2; ++layer) {
+      const auto want = held_tokens(src_seqs, seq, layer, released);
+      const auto have = held_tokens(dst_seqs, got, layer, released);
+      EXPECT_TRUE(bitwise_equal(have.first, want.first)) << "k, window " << window << ", layer " << layer;
+      EXPECT_TRUE(bitwise_equal(have.second, want.second)) << "v, window " << window << ", layer " << layer;
+    }
+  }
+  // A table that keeps every token and one with a larger window would need the released pages.
+  for (const int64_t window : {0, 8}) {
+    PagedCache<NHD> dst = make();
+    SequenceTable<NHD> dst_seqs(dst, window);
+    FakeGroup receiver;
+    receiver.rank = 1;
+    receiver.inbox = sender.sent;
+    const CacheSnapshot before(dst);
+    expect_error([&] { pagedkv::recv_sequence(receiver, 0, dst_seqs, 7, kTimeout); },
+                 {"pagedkv::recv_sequence<NHD>", "rejected: window", "released the first 3 pages",
+                  "window " + std::to_string(window)});
+    before.expect_same(dst, "a refused windowed sequence");
+    EXPECT_EQ(dst_seqs.size(), 0);
+    ASSERT_EQ(receiver.sent.size(), 1u);
+    EXPECT_EQ(receiver.sent[0][w::verdict].item<int64_t>(), w::window);
+  }
+  {
+    PagedCache<NHD> dst = make();
+    FakeGroup receiver;
+    receiver.rank = 1;
+    receiver.inbox = sender.sent;
+    expect_error([&] { pagedkv::recv_pages(receiver, 0, dst, 7, kTimeout); },
+                 {"pagedkv::recv_pages<NHD>", "rejected: window", "recv_sequence"});
+    EXPECT_EQ(dst.n_free(), 12);
+  }
+  FakeGroup refused;  // the sender learns why
+  refused.inbox.push_back(ints({w::kReplyMagic, w::window, 7, 0}));
+  expect_error([&] { pagedkv::send_sequence(refused, 1, src_seqs, seq, 7, kTimeout); },
+               {"pagedkv::send_pages<NHD>", "rejected: window", "before column 3"});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {

@@ -1,5 +1,6 @@
 // docs/sequences.md: SequenceTable, a prefill, a decode step of two
-// sequences that share pages (fork, copy-on-write), swapping, release.
+// sequences that share pages (fork, copy-on-write), swapping, rollback
+// (truncate), a windowed table, release.
 #include <pagedkv/pagedkv.hpp>
 
 #include <stdexcept>
@@ -62,6 +63,30 @@ void sequences_sample() {
   //! [swap]
   const auto [kb2, vb2] = cache.gather(1, seqs.batch({b}).first, seqs.batch({b}).second);
   expect(out && in && at::equal(kb2, kb) && at::equal(vb2, vb), "the tokens back after a swap");
+
+  //! [rollback]
+  // Speculative decoding: a step writes a's next token and 4 drafts; the model accepts 2 of the drafts.
+  const int64_t before = seqs.length(a);  // 41
+  if (!seqs.prepare_append(a, 5)) throw std::runtime_error("pool short: swap a sequence out, retry");
+  // ... batch(), bind(table, lengths + 5), write the 5 tokens, verify them in one forward pass ...
+  seqs.commit_append(a, 5);
+  seqs.truncate(a, before + 1 + 2);  // keeps the token and the 2 accepted drafts; later pages lose a's reference
+  //! [rollback]
+  expect(seqs.length(a) == 44 && seqs.capacity(a) == 48, "truncate keeps 44 tokens on 3 pages");
+
+  //! [window]
+  // Sliding-window layers get a cache and a table of their own that keep each sequence's last 32 tokens.
+  pagedkv::PagedCache<pagedkv::NHD> local_cache(2, /*n_pages=*/64, 16, 8, 128);
+  pagedkv::SequenceTable<pagedkv::NHD> local(local_cache, /*window=*/32);
+  int64_t w = local.create();
+  bool room = local.prepare_append(w, 100);  // 7 pages: the chunk's queries read back to token 0
+  // ... batch(), bind(table, lengths + 100), write, attention with window 32 ...
+  local.commit_append(w, 100);  // the next query (position 100) sees [69, 100]: pages 0-3 go back to the pool
+  auto [local_table, local_lengths] = local.batch({w});  // row {-1, -1, -1, -1, p4, p5, p6}, lengths {100}
+  //! [window]
+  expect(room && local_cache.n_free() == 61 && local_table[0][3].item<int64_t>() == -1 &&
+             local_table[0][4].item<int64_t>() >= 0 && local_lengths[0].item<int64_t>() == 100,
+         "a windowed table holds 3 pages of 100 tokens");
 
   //! [release]
   seqs.release(a);

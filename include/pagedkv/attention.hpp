@@ -64,6 +64,9 @@ at::Tensor paged_attention(const CacheView<Layout>& view, int64_t layer,
       }
       return;
     }
+    for (int64_t row = 0; table.bound->leading_unmapped && row < rows.rows; ++row) {  // bind let those through
+      checks::mapped_prefix(caller, rows, row, lengths[static_cast<size_t>(row)], g.page_size, cache.pool());
+    }
     checks::bound_view_current(caller, *table.bound, rows, cache.pool(), [&](int64_t row) {
       return std::make_pair(int64_t{0}, (lengths[static_cast<size_t>(row)] + g.page_size - 1) / g.page_size);
     });

@@ -213,6 +213,58 @@ void mapped_prefix(const Caller& caller, const PageTableRef<Index>& table, int64
   }
 }
 
+/// Row `row` maps every page from its first mapped column through the one
+/// that holds position length - 1: the leading -1 columns a windowed
+/// SequenceTable leaves (pages wholly older than every query's window) are
+/// allowed, a -1 after a mapped column or at the last token is not. A row
+/// that starts with a page is checked (and reported) as by mapped_prefix.
+template <class Index>
+void mapped_window(const Caller& caller, const PageTableRef<Index>& table, int64_t row, int64_t length,
+                   int64_t page_size, const PagePool& pool) {
+  if (length == 0 || table.cols == 0 || table(row, 0) != kUnmappedPage) {
+    mapped_prefix(caller, table, row, length, page_size, pool);
+    return;
+  }
+  TORCH_CHECK_INDEX(length <= table.cols * page_size, caller, ": argument 'lengths' expected lengths[", row,
+                    "] <= ", table.cols * page_size, " (the tokens page_table row ", row, " can map), got ",
+                    length);
+  const int64_t last = (length - 1) / page_size;
+  int64_t first = 0;
+  while (first < last && table(row, first) == kUnmappedPage) ++first;
+  for (int64_t col = first; col <= last; ++col) {
+    TORCH_CHECK_INDEX(table(row, col) != kUnmappedPage, caller, ": argument 'page_table' expected a page at page_table[",
+                      row, "][", col, "] (a row may start with -1 columns, then maps every page through the one of ",
+                      "its last token, position lengths[", row, "] - 1 = ", length - 1, "), got -1");
+    page_allocated(caller, table, row, col, pool);
+  }
+}
+
+/// truncate's n_tokens: in [0, length] of sequence `seq`.
+inline void kept_tokens(const Caller& caller, int64_t seq, int64_t n_tokens, int64_t length) {
+  TORCH_CHECK(n_tokens >= 0 && n_tokens <= length, caller, ": argument 'n_tokens' expected in [0, ", length,
+              "] (the length of sequence ", seq, "), got ", n_tokens);
+}
+
+/// A sequence of a table with window `window` that released its tokens
+/// before `first_held` keeps n_tokens only if the window of the next query,
+/// [n_tokens - window + 1, n_tokens], starts at or after first_held: a
+/// window cannot grow back.
+inline void window_reachable(const Caller& caller, int64_t seq, int64_t n_tokens, int64_t window,
+                             int64_t first_held) {
+  if (first_held == 0) return;
+  TORCH_CHECK(n_tokens - first_held >= window - 1, caller, ": argument 'n_tokens' expected >= ",
+              first_held + window - 1, " (the table's window is ", window, " tokens and sequence ", seq,
+              " released its tokens before position ", first_held,
+              ": the window of a shorter sequence would need them again), got ", n_tokens);
+}
+
+/// A table a PrefixCache attaches to keeps every token (window() = 0): a
+/// windowed table releases the early pages that a prefix match shares.
+inline void unwindowed_table(const Caller& caller, int64_t window) {
+  TORCH_CHECK(window == 0, caller, ": argument 'seqs' expected a table without a window (window() = 0), got one "
+              "with window ", window, " (a windowed table frees the early pages a prefix cache would share)");
+}
+
 /// A view bound into a cache's per-shape device buffers
 /// (BindBuffers::per_shape) finds them as its bind left them: no later
 /// bind of the shape wrote into them (generations equal; 0 and 0 for a

@@ -149,17 +149,24 @@ class PagedCache {
     checks::page_table(caller, page_table, device());
     const std::vector<int64_t> lens = checks::per_sequence(caller, "lengths", lengths, page_table.size(0), device());
     const at::Tensor host_table = on_host(page_table);
+    // Leading -1 columns are a windowed SequenceTable's released pages;
+    // gather, writes and attention without a window still refuse them.
+    bool leading_unmapped = false;
     visit_page_table(host_table, [&](const auto& table) {
       for (int64_t row = 0; row < table.rows; ++row) {
-        checks::mapped_prefix(caller, table, row, lens[static_cast<size_t>(row)], page_size(), pool_);
+        const int64_t length = lens[static_cast<size_t>(row)];
+        checks::mapped_window(caller, table, row, length, page_size(), pool_);
+        leading_unmapped = leading_unmapped || (length > 0 && table(row, 0) == kUnmappedPage);
       }
     });
     CacheView<Layout> view(this, page_table, lengths);
     const ops::Storage s = storage();
     if (ops::bind_copies_tables(s)) {
       checks::not_capturing(caller, cuda::capturing(device()));
-      view.bound_ = ops::bind_tables(s, pool_.alloc_epoch(), pool_.free_epoch(), *bind_buffers_, host_table, &lens,
-                                     buffers == BindBuffers::per_shape);
+      std::shared_ptr<cuda::BoundTables> bound = ops::bind_tables(
+          s, pool_.alloc_epoch(), pool_.free_epoch(), *bind_buffers_, host_table, &lens, buffers == BindBuffers::per_shape);
+      bound->leading_unmapped = leading_unmapped;
+      view.bound_ = std::move(bound);
     }
     return view;
   }
@@ -395,6 +402,9 @@ class PagedCache {
             checks::mapped_prefix(caller, rows, row, lens[static_cast<size_t>(row)], page_size(), pool_);
           }
         } else {
+          for (int64_t row = 0; table.bound->leading_unmapped && row < rows.rows; ++row) {  // bind let those through
+            checks::mapped_prefix(caller, rows, row, lens[static_cast<size_t>(row)], page_size(), pool_);
+          }
           checks::bound_view_current(caller, *table.bound, rows, pool_, [&](int64_t row) {
             return std::make_pair(int64_t{0}, (lens[static_cast<size_t>(row)] + page_size() - 1) / page_size());
           });

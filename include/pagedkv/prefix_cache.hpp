@@ -30,6 +30,8 @@
 //   counters, exact at all times, and eviction never scans the pool.
 // - Failure: bad input throws c10::Error naming the function, the argument,
 //   what was expected and what was given; nothing changes, stats included.
+// - Only over a table without a window: a windowed table frees the early
+//   pages a match shares (the constructor throws naming the window).
 // - Lifetime: attaches to the table in the constructor (a table has at most
 //   one prefix cache), detaches and drops its references in the destructor;
 //   must not outlive the table. Not copyable or movable. Not thread-safe.
@@ -110,6 +112,7 @@ class PrefixCache final : private PageReclaimer {
         tiers_(checked_tiers(std::move(tiers))),
         geometry_(page_store::Geometry::of(seqs.cache())) {
     for (const auto& t : tiers_) stats_.tiers.push_back(PrefixTierStats{t->tier(), 0, 0, 0});
+    checks::unwindowed_table(checks::Caller{"PrefixCache", Layout::name, nullptr}, seqs.window());
     TORCH_CHECK(seqs.reclaimer_ == nullptr, "pagedkv::PrefixCache<", Layout::name,
                 ">: argument 'seqs' expected a table without a prefix cache, got one that already has one");
     grow_index(16);
@@ -322,7 +325,10 @@ class PrefixCache final : private PageReclaimer {
     std::vector<int64_t> refs(static_cast<size_t>(pool.n_pages()), 0);  // expected ref_counts
     for (const auto& s : seqs_->seqs_) {
       if (!s.live || s.swapped) continue;
-      for (const int64_t page : s.pages) ++refs[static_cast<size_t>(page)];
+      for (const int64_t page : s.pages) {
+        // -1: a column a windowed table released (a host-side copy of one of its sequences).
+        if (page != kUnmappedPage) ++refs[static_cast<size_t>(page)];
+      }
     }
     std::vector<int32_t> children(nodes_.size(), 0);
     std::vector<int32_t> blocking(nodes_.size(), 0);

@@ -52,6 +52,23 @@
 //   swap_in (and swap_out into a host table with its own prefix cache) evict
 //   exactly the shortfall first, and return false, with nothing changed,
 //   only when free + evictable pages are too few (page_reclaimer.hpp).
+// - truncate(seq, n) keeps the first n tokens: every page past them (reserved
+//   ones included) loses this sequence's reference, so a page shared with a
+//   fork or cached by the prefix cache stays with them; a kept page that is
+//   partly past n stays as it is (shared or not): the next prepare_append
+//   copies it if it is shared, as for any append.
+// - Windowed tables (window w >= 1): after commit_append, the query at the
+//   next position sees tokens [length - w + 1, length], so every page
+//   wholly before length - w + 1 is freed (unreferenced when shared) and its
+//   column reads -1 in pages() and batch(). Such released columns are
+//   always leading: `dropped` of them, exactly
+//   max(0, length - w + 1) / page_size. A sequence so holds at most
+//   ceil((w - 1) / page_size) + 1 pages with tokens (plus reserved ones).
+//   fork, swap and transfer carry the released columns and move only the
+//   pages still held. A window cannot grow back: truncate refuses a length
+//   whose window would reach a released page (n_tokens - w + 1 below the
+//   first held token); to roll back unverified tokens on such a table,
+//   commit only the accepted ones.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -61,6 +78,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -75,17 +93,25 @@ namespace pagedkv {
 template <class Layout>
 class PrefixCache;
 
+namespace detail {
+struct SequenceAccess;
+}
+
 template <class Layout = NHD>
 class SequenceTable {
  public:
-  explicit SequenceTable(PagedCache<Layout>& cache) : cache_(&cache) {}
+  /// window = 0: every token stays; w >= 1: only the last w tokens of
+  /// each sequence (what attention with a window <= w reads) keep pages.
+  explicit SequenceTable(PagedCache<Layout>& cache, int64_t window = 0) : cache_(&cache), window_(window) {
+    checks::non_negative(checks::Caller{"SequenceTable", Layout::name, "SequenceTable"}, "window", window);
+  }
 
   ~SequenceTable() {
     // Only this cache's pages; swapped sequences' host copies stay with the
     // host table (which frees them when it goes).
     PagePool& pool = cache_->pool();
     for (const Seq& s : seqs_) {
-      for (int64_t page : s.pages) {
+      for (int64_t page : held(s)) {
         if (pool.is_allocated(page)) pool.free(page);
       }
     }
@@ -128,14 +154,15 @@ class SequenceTable {
     Seq& c = seqs_[static_cast<size_t>(child)];
     try {
       c.pages.assign(parent.pages.begin(), parent.pages.end());
-      cache_->pool().retain_all(parent.pages);  // all or nothing
+      cache_->pool().retain_all(held(parent));  // all or nothing
     } catch (...) {  // a page at the ref_count limit or freed behind the table's back (or no memory): undo
       c.pages.clear();
       free_ids_.push_back(child);
       std::push_heap(free_ids_.begin(), free_ids_.end(), std::greater<int64_t>());
-      pages_held(caller, seq, parent.pages, cache_->pool());
+      pages_held(caller, seq, held(parent), cache_->pool(), parent.dropped);
       throw;
     }
+    c.dropped = parent.dropped;
     c.length = parent.length;
     c.live = true;
     ++n_live_;
@@ -152,12 +179,12 @@ class SequenceTable {
       s.host_release(s.host, s.host_seq);
     } else {
       try {
-        cache_->pool().free_all(s.pages);  // all or nothing
+        cache_->pool().free_all(held(s));  // all or nothing
       } catch (const c10::Error&) {
-        pages_held(caller, seq, s.pages, cache_->pool());
+        pages_held(caller, seq, held(s), cache_->pool(), s.dropped);
         throw;
       }
-      unreferenced(s.pages);
+      unreferenced(held(s));
     }
     retire(seq);
   }
@@ -179,8 +206,10 @@ class SequenceTable {
     PagePool& pool = cache_->pool();
     const int64_t page_size = cache_->page_size();
     // A sequence's pages are distinct, so it never holds more than the whole
-    // pool (this also keeps length + n_tokens from overflowing).
-    if (n_tokens > cache_->n_pages() * page_size - s.length) return false;
+    // pool (this also keeps length + n_tokens from overflowing, but for a
+    // windowed sequence whose length is already near INT64_MAX).
+    if (n_tokens > cache_->n_pages() * page_size - (s.length - s.dropped * page_size)) return false;
+    if (n_tokens > std::numeric_limits<int64_t>::max() - s.length) return false;
     const int64_t first = s.length / page_size;
     const int64_t end = pages_for(s.length + n_tokens);
     const int64_t have = std::min(end, n_pages(s));
@@ -217,7 +246,35 @@ class SequenceTable {
     TORCH_CHECK(n_tokens <= capacity - s.length, caller, ": argument 'n_tokens' expected <= ", capacity - s.length,
                 " (sequence ", seq, " has length ", s.length, " and capacity ", capacity,
                 "; call prepare_append first), got ", n_tokens);
+    // The pages that fall out of the window: freed only now, since the
+    // step's queries (written after prepare_append) still read them.
+    const int64_t drop = dropped_for(s.length + n_tokens);
+    const c10::ArrayRef<int64_t> gone(s.pages.data() + s.dropped, static_cast<size_t>(drop - s.dropped));
+    pages_held(caller, seq, gone, cache_->pool(), s.dropped);  // so that free_all cannot fail
+    cache_->pool().free_all(gone);
+    unreferenced(gone);
+    std::fill(s.pages.begin() + static_cast<std::ptrdiff_t>(s.dropped),
+              s.pages.begin() + static_cast<std::ptrdiff_t>(drop), kUnmappedPage);
+    s.dropped = drop;
     s.length += n_tokens;
+  }
+
+  /// Keeps the first n_tokens tokens of `seq` (0 <= n_tokens <= length):
+  /// every page past them, reserved ones included, loses this sequence's
+  /// reference (a page shared with a fork or cached by a prefix cache
+  /// stays with them). Speculative decoding's rollback.
+  void truncate(int64_t seq, int64_t n_tokens) {
+    const checks::Caller caller{"SequenceTable", Layout::name, "truncate"};
+    Seq& s = owned(caller, seq);
+    checks::kept_tokens(caller, seq, n_tokens, s.length);
+    checks::window_reachable(caller, seq, n_tokens, window_, s.dropped * cache_->page_size());
+    const int64_t keep = pages_for(n_tokens);  // >= s.dropped: the window check above
+    const c10::ArrayRef<int64_t> gone(s.pages.data() + keep, static_cast<size_t>(n_pages(s) - keep));
+    pages_held(caller, seq, gone, cache_->pool(), keep);  // so that free_all cannot fail
+    cache_->pool().free_all(gone);
+    unreferenced(gone);
+    s.pages.resize(static_cast<size_t>(keep));
+    s.length = n_tokens;
   }
 
   /// The page table [B, max_pages] (int32, -1 padded; max_pages = the
@@ -257,23 +314,29 @@ class SequenceTable {
     const checks::Caller caller{"SequenceTable", Layout::name, "swap_out"};
     Seq& s = owned(caller, seq);
     other_table(caller, host);
-    pages_held(caller, seq, s.pages, cache_->pool());  // so that the frees below cannot fail
-    const int64_t n = pages_for(s.length);
+    pages_held(caller, seq, held(s), cache_->pool(), s.dropped);  // so that the frees below cannot fail
+    // Only the pages that hold tokens and are still held; the host row keeps
+    // the released columns as -1, so that host.batch() maps positions as here.
+    const int64_t n = pages_for(s.length) - s.dropped;
+    std::vector<int64_t> host_row(static_cast<size_t>(s.dropped + n), kUnmappedPage);
     if (!host.make_room(n)) return false;
-    std::vector<int64_t> host_pages = host.cache_->pool().alloc_n(n);
+    const std::vector<int64_t> host_pages = host.cache_->pool().alloc_n(n);
     if (static_cast<int64_t>(host_pages.size()) != n) return false;
-    const std::vector<int64_t> mine(s.pages.begin(), s.pages.begin() + static_cast<std::ptrdiff_t>(n));
-    copy_or_undo(*host.cache_, *cache_, mine.data(), host_pages.data(), n, host_pages.data(), n);
-    cache_->pool().free_all(s.pages);
-    unreferenced(s.pages);
+    const int64_t* mine = s.pages.data() + s.dropped;
+    copy_or_undo(*host.cache_, *cache_, mine, host_pages.data(), n, host_pages.data(), n);
+    cache_->pool().free_all(held(s));
+    unreferenced(held(s));
+    std::copy(host_pages.begin(), host_pages.end(), host_row.begin() + static_cast<std::ptrdiff_t>(s.dropped));
     const int64_t host_seq = host.new_id();
     auto& h = host.seqs_[static_cast<size_t>(host_seq)];
     h.live = true;
     h.holder = true;
-    h.pages = std::move(host_pages);
+    h.pages = std::move(host_row);
+    h.dropped = s.dropped;
     h.length = s.length;
     ++host.n_live_;
     s.pages.clear();
+    s.dropped = 0;
     s.swapped = true;
     s.host = &host;
     s.host_seq = host_seq;
@@ -294,14 +357,18 @@ class SequenceTable {
     TORCH_CHECK(s.host == static_cast<const void*>(&host), caller,
                 ": argument 'host' expected the table sequence ", seq, " was swapped out to, got another table");
     const auto& h = host.seqs_[static_cast<size_t>(s.host_seq)];
-    pages_held(caller, seq, h.pages, host.cache_->pool());  // so that release_holder cannot fail
-    const int64_t n = static_cast<int64_t>(h.pages.size());
+    const c10::ArrayRef<int64_t> host_pages = SequenceTable<OL>::held(h);
+    pages_held(caller, seq, host_pages, host.cache_->pool(), h.dropped);  // so that release_holder cannot fail
+    const auto n = static_cast<int64_t>(host_pages.size());
+    std::vector<int64_t> row(h.pages.size(), kUnmappedPage);  // released columns stay -1
     if (!make_room(n)) return false;
-    std::vector<int64_t> pages = cache_->pool().alloc_n(n);
+    const std::vector<int64_t> pages = cache_->pool().alloc_n(n);
     if (static_cast<int64_t>(pages.size()) != n) return false;
-    copy_or_undo(*cache_, *host.cache_, h.pages.data(), pages.data(), n, pages.data(), n);
+    copy_or_undo(*cache_, *host.cache_, host_pages.data(), pages.data(), n, pages.data(), n);
+    std::copy(pages.begin(), pages.end(), row.begin() + static_cast<std::ptrdiff_t>(h.dropped));
     s.length = h.length;
-    s.pages = std::move(pages);
+    s.dropped = h.dropped;
+    s.pages = std::move(row);
     SequenceTable<OL>::release_holder(&host, s.host_seq);
     s.swapped = false;
     s.host = nullptr;
@@ -312,7 +379,8 @@ class SequenceTable {
 
   // ---- inspection (not part of the core contract) ----
 
-  /// The pages of `seq`, in token order (capacity / page_size of them).
+  /// The pages of `seq`, in token order (capacity / page_size of them;
+  /// -1 for the leading ones a windowed table released).
   const std::vector<int64_t>& pages(int64_t seq) const {
     return live(checks::Caller{"SequenceTable", Layout::name, "pages"}, seq).pages;
   }
@@ -330,15 +398,72 @@ class SequenceTable {
   /// Live sequences (host-side holders of swapped sequences included).
   int64_t size() const noexcept { return n_live_; }
   PagedCache<Layout>& cache() const noexcept { return *cache_; }
+  /// Tokens each sequence keeps pages for (0: all of them).
+  int64_t window() const noexcept { return window_; }
+
+  /// Audits every sequence with full scans (tests, debugging): ids and the
+  /// live count; each resident sequence holds allocated, distinct pages
+  /// covering its length, -1 exactly in the columns its window released
+  /// (none without a window); a swapped one holds no pages here; no page's
+  /// ref_count is below the references the table holds on it. Throws
+  /// c10::Error naming the first violation.
+  void check() const {
+    const auto fail = [&](auto&&... parts) {
+      TORCH_CHECK(false, "pagedkv::SequenceTable<", Layout::name, ">::check: ", parts...);
+    };
+    const PagePool& pool = cache_->pool();
+    std::vector<int64_t> refs(static_cast<size_t>(pool.n_pages()), 0);
+    std::vector<int64_t> last_seen(static_cast<size_t>(pool.n_pages()), -1);
+    int64_t live = 0;
+    for (size_t i = 0; i < seqs_.size(); ++i) {
+      const Seq& s = seqs_[i];
+      if (!s.live) continue;
+      ++live;
+      if (s.swapped) {
+        if (!s.pages.empty() || s.dropped != 0) fail("sequence ", i, " is swapped out but holds pages here");
+        continue;
+      }
+      if (s.length < 0 || pages_for(s.length) > n_pages(s))
+        fail("sequence ", i, " has length ", s.length, " but ", n_pages(s), " pages of ", cache_->page_size(),
+             " tokens");
+      // A holder mirrors the released columns of the sequence it holds, whatever this table's window.
+      if (!s.holder && s.dropped != dropped_for(s.length))
+        fail("sequence ", i, " of length ", s.length, " has ", s.dropped, " released pages, expected ",
+             dropped_for(s.length), " (window ", window_, ")");
+      if (s.dropped < 0 || s.dropped > n_pages(s)) fail("sequence ", i, " has ", s.dropped, " released pages");
+      for (int64_t j = 0; j < n_pages(s); ++j) {
+        const int64_t page = s.pages[static_cast<size_t>(j)];
+        if (j < s.dropped) {
+          if (page != kUnmappedPage) fail("sequence ", i, " holds page ", page, " in released column ", j);
+          continue;
+        }
+        if (page < 0 || page >= pool.n_pages() || !pool.is_allocated(page))
+          fail("sequence ", i, " holds page ", page, " in column ", j, ", which is not an allocated page");
+        if (last_seen[static_cast<size_t>(page)] == static_cast<int64_t>(i))
+          fail("sequence ", i, " holds page ", page, " twice");
+        last_seen[static_cast<size_t>(page)] = static_cast<int64_t>(i);
+        ++refs[static_cast<size_t>(page)];
+      }
+    }
+    if (live != n_live_) fail(live, " live sequences, but size() is ", n_live_);
+    for (int64_t page = 0; page < pool.n_pages(); ++page) {
+      if (pool.ref_count(page) < refs[static_cast<size_t>(page)])
+        fail("page ", page, " has ref_count ", pool.ref_count(page), " but the table holds ",
+             refs[static_cast<size_t>(page)], " references on it");
+    }
+  }
 
  private:
   template <class>
   friend class SequenceTable;
   template <class>
   friend class PrefixCache;  // attaches itself as the reclaimer; adopts matched pages into new sequences
+  friend struct SequenceTableTestAccess;  // tests corrupt a sequence to prove check() sees it
+  friend struct detail::SequenceAccess;  // recv_sequence installs a windowed sequence's pages
 
   struct Seq {
-    std::vector<int64_t> pages;
+    std::vector<int64_t> pages;  // [dropped, size): held; [0, dropped): kUnmappedPage (released by the window)
+    int64_t dropped = 0;
     int64_t length = 0;
     bool live = false;
     bool swapped = false;  // its tokens are in `host`
@@ -363,6 +488,18 @@ class SequenceTable {
   }
 
   static int64_t n_pages(const Seq& s) noexcept { return static_cast<int64_t>(s.pages.size()); }
+
+  /// The pages `s` holds a reference on (those its window did not release).
+  static c10::ArrayRef<int64_t> held(const Seq& s) noexcept {
+    return c10::ArrayRef<int64_t>(s.pages.data() + s.dropped, s.pages.size() - static_cast<size_t>(s.dropped));
+  }
+
+  /// Leading columns a sequence of `length` tokens no longer needs: those
+  /// wholly before the next query's window [length - w + 1, length].
+  int64_t dropped_for(int64_t length) const noexcept {
+    if (window_ == 0 || length < window_) return 0;
+    return (length - window_ + 1) / cache_->page_size();
+  }
 
   /// Pages that hold n_tokens >= 0 tokens (no overflow near INT64_MAX).
   int64_t pages_for(int64_t n_tokens) const noexcept {
@@ -396,8 +533,9 @@ class SequenceTable {
   /// Frees a holder sequence's pages (called by the table that swapped it out).
   static void release_holder(void* table, int64_t seq) {
     auto* self = static_cast<SequenceTable*>(table);
-    self->cache_->pool().free_all(self->seqs_[static_cast<size_t>(seq)].pages);
-    self->unreferenced(self->seqs_[static_cast<size_t>(seq)].pages);
+    const c10::ArrayRef<int64_t> pages = held(self->seqs_[static_cast<size_t>(seq)]);
+    self->cache_->pool().free_all(pages);
+    self->unreferenced(pages.data(), static_cast<int64_t>(pages.size()));
     self->retire(seq);
   }
 
@@ -424,15 +562,16 @@ class SequenceTable {
     return s;
   }
 
-  /// Throws unless every page in `pages` (sequence `seq`'s, in `pool`) is
-  /// allocated: an engine that frees a page through the cache while a
-  /// sequence holds it breaks the table's bookkeeping.
-  void pages_held(const checks::Caller& caller, int64_t seq, const std::vector<int64_t>& pages,
-                  const PagePool& pool) const {
+  /// Throws unless every page in `pages` (sequence `seq`'s, from its
+  /// column `first` on, in `pool`) is allocated: an engine that frees a
+  /// page through the cache while a sequence holds it breaks the table's
+  /// bookkeeping.
+  void pages_held(const checks::Caller& caller, int64_t seq, c10::ArrayRef<int64_t> pages, const PagePool& pool,
+                  int64_t first = 0) const {
     for (size_t j = 0; j < pages.size(); ++j) {
       TORCH_CHECK(pool.is_allocated(pages[j]), caller,
                   ": argument 'seq' expected a sequence whose pages are all allocated, got sequence ", seq,
-                  " whose page ", pages[j], " (its page ", j,
+                  " whose page ", pages[j], " (its page ", first + static_cast<int64_t>(j),
                   ") is free: it was freed through the cache while the table held it");
     }
   }
@@ -458,7 +597,7 @@ class SequenceTable {
   }
 
   /// Tells the reclaimer that the table dropped a reference on each of `pages`.
-  void unreferenced(const std::vector<int64_t>& pages) noexcept {
+  void unreferenced(c10::ArrayRef<int64_t> pages) noexcept {
     if (reclaimer_ != nullptr) reclaimer_->unreferenced(pages.data(), static_cast<int64_t>(pages.size()));
   }
   void unreferenced(const int64_t* pages, int64_t n) noexcept {
@@ -484,7 +623,28 @@ class SequenceTable {
     return seq;
   }
 
+  /// Gives the empty, resident sequence `seq` the pages of columns
+  /// [first, first + pages.size()) (their references already taken, the
+  /// columns before them released) and `length` tokens, then releases what
+  /// this table's window does not keep: first <= dropped_for(length), and
+  /// the pages cover the length. Throws only std::bad_alloc, before any change.
+  void install(int64_t seq, int64_t first, const std::vector<int64_t>& pages, int64_t length) {
+    std::vector<int64_t> row(static_cast<size_t>(first) + pages.size(), kUnmappedPage);
+    std::copy(pages.begin(), pages.end(), row.begin() + static_cast<std::ptrdiff_t>(first));
+    Seq& s = seqs_[static_cast<size_t>(seq)];
+    const int64_t drop = dropped_for(length);
+    const c10::ArrayRef<int64_t> gone(row.data() + first, static_cast<size_t>(drop - first));
+    cache_->pool().free_all(gone);
+    unreferenced(gone);
+    std::fill(row.begin() + static_cast<std::ptrdiff_t>(first), row.begin() + static_cast<std::ptrdiff_t>(drop),
+              kUnmappedPage);
+    s.pages = std::move(row);
+    s.dropped = drop;
+    s.length = length;
+  }
+
   PagedCache<Layout>* cache_;
+  int64_t window_;
   PageReclaimer* reclaimer_ = nullptr;  // the attached PrefixCache, if any
   std::vector<Seq> seqs_;       // indexed by id
   std::vector<int64_t> free_ids_;  // released ids below seqs_.size(): a min-heap

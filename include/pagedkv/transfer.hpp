@@ -70,26 +70,23 @@ inline void release_transfer_buffers() {
   transfer::drop_staging(transfer::StagingRole::recv);
 }
 
-/// Sends tokens [0, n_tokens) held by `pages` ([n] int32/int64, in token
-/// order, allocated in `cache`; n = ceil(n_tokens / page_size)) to
-/// `dst_rank`, every layer, k and v, heads [heads.begin, heads.end) only.
-/// Returns once the payload is sent; never changes the cache. Throws
-/// c10::Error on bad arguments (before anything is sent), a rejection by
-/// the receiver (mismatch, wrong id, short pool: the group stays usable),
-/// a timeout or a dead peer (rebuild the group).
+namespace transfer {
+
+/// send_pages of the pages of columns [first_page, ceil(n_tokens /
+/// page_size)): send_sequence passes the columns a windowed table released
+/// as first_page (the receiver needs no page before them).
 template <class Group, class Layout>
-void send_pages(Group& group, int dst_rank, const PagedCache<Layout>& cache,
-                const at::Tensor& pages,  // [n] int32/int64
-                int64_t n_tokens, int64_t transfer_id, std::chrono::milliseconds timeout, HeadRange heads = {}) {
+void send_from(Group& group, int dst_rank, const PagedCache<Layout>& cache, const at::Tensor& pages,
+               int64_t n_tokens, int64_t first_page, int64_t transfer_id, std::chrono::milliseconds timeout,
+               HeadRange heads) {
   namespace w = transfer::wire;
-  using namespace transfer;
   const checks::Caller caller{"send_pages", Layout::name, nullptr};
   peer_rank(caller, "dst_rank", group, dst_rank);
   positive_timeout(caller, timeout);
   checks::non_negative(caller, "n_tokens", n_tokens);
   const std::vector<int64_t> ids = checks::page_list(caller, "pages", pages, cache.device(), cache.device());
   const int64_t n = static_cast<int64_t>(ids.size());
-  const int64_t need = n_tokens / cache.page_size() + (n_tokens % cache.page_size() != 0 ? 1 : 0);
+  const int64_t need = n_tokens / cache.page_size() + (n_tokens % cache.page_size() != 0 ? 1 : 0) - first_page;
   TORCH_CHECK(n == need, caller, ": argument 'pages' expected ", need, " pages (the pages that hold n_tokens = ",
               n_tokens, " at page_size ", cache.page_size(), "), got ", n);
   checks::allocated_pages(caller, "pages", ids, cache.pool());
@@ -99,7 +96,7 @@ void send_pages(Group& group, int dst_rank, const PagedCache<Layout>& cache,
                     " (end -1 = all), got [", heads.begin, ", ", heads.end, ")");
 
   const int64_t width = heads.end - heads.begin;
-  const std::vector<int64_t> h = header_words(cache, n, n_tokens, transfer_id, heads);
+  const std::vector<int64_t> h = header_words(cache, n, n_tokens, transfer_id, heads, first_page);
 
   const auto deadline = Clock::now() + timeout;
   const at::Device device = cache.device();
@@ -127,6 +124,9 @@ void send_pages(Group& group, int dst_rank, const PagedCache<Layout>& cache,
       TORCH_CHECK(false, caller, ": ", what,
                   " rejected: mismatch: the receiver's geometry, dtype or quantization differs (its error names "
                   "the field)");
+    case w::window:
+      TORCH_CHECK(false, caller, ": ", what, " rejected: window: the receiver would need pages before column ",
+                  first_page, ", which this windowed sequence released (its error names its window)");
     default:
       TORCH_CHECK(false, caller, ": ", what, " rejected: the receiver could not read the header (verdict ",
                   r[w::verdict], ")");
@@ -162,6 +162,35 @@ void send_pages(Group& group, int dst_rank, const PagedCache<Layout>& cache,
   }
 }
 
+}  // namespace transfer
+
+namespace detail {
+
+/// What recv_sequence needs of a table beyond its public calls.
+struct SequenceAccess {
+  template <class Layout>
+  static void install(SequenceTable<Layout>& seqs, int64_t seq, int64_t first, const std::vector<int64_t>& pages,
+                      int64_t length) {
+    seqs.install(seq, first, pages, length);
+  }
+};
+
+}  // namespace detail
+
+/// Sends tokens [0, n_tokens) held by `pages` ([n] int32/int64, in token
+/// order, allocated in `cache`; n = ceil(n_tokens / page_size)) to
+/// `dst_rank`, every layer, k and v, heads [heads.begin, heads.end) only.
+/// Returns once the payload is sent; never changes the cache. Throws
+/// c10::Error on bad arguments (before anything is sent), a rejection by
+/// the receiver (mismatch, wrong id, short pool: the group stays usable),
+/// a timeout or a dead peer (rebuild the group).
+template <class Group, class Layout>
+void send_pages(Group& group, int dst_rank, const PagedCache<Layout>& cache,
+                const at::Tensor& pages,  // [n] int32/int64
+                int64_t n_tokens, int64_t transfer_id, std::chrono::milliseconds timeout, HeadRange heads = {}) {
+  transfer::send_from(group, dst_rank, cache, pages, n_tokens, 0, transfer_id, timeout, heads);
+}
+
 /// Receives one transfer from `src_rank` into fresh pages of `cache`
 /// (lowest-first, ref count 1) and returns them in token order. On any
 /// failure throws c10::Error naming the cause and the pool is as before.
@@ -169,14 +198,20 @@ template <class Group, class Layout>
 std::vector<int64_t> recv_pages(Group& group, int src_rank, PagedCache<Layout>& cache, int64_t transfer_id,
                                 std::chrono::milliseconds timeout) {
   PagePool& pool = cache.pool();
+  const auto refuse = [](int64_t first_page, int64_t /*n_tokens*/) -> std::string {
+    if (first_page == 0) return "";
+    return "the sender's windowed table released the first " + std::to_string(first_page) +
+           " pages of the sequence: receive it with recv_sequence into a table with a window";
+  };
   return transfer::receive(
              checks::Caller{"recv_pages", Layout::name, nullptr}, group, src_rank, cache, transfer_id, timeout,
-             [&](int64_t n_pages, int64_t /*n_tokens*/) { return pool.alloc_n(n_pages); },
+             refuse, [&](int64_t n_pages, int64_t /*n_tokens*/) { return pool.alloc_n(n_pages); },
              [&](const std::vector<int64_t>& pages) { pool.free_all(pages); })
       .first;
 }
 
-/// Sends sequence `seq` (resident; its length in tokens) as send_pages does.
+/// Sends sequence `seq` (resident; its length in tokens) as send_pages
+/// does: of a windowed table's sequence, only the pages it still holds.
 template <class Group, class Layout>
 void send_sequence(Group& group, int dst_rank, const SequenceTable<Layout>& seqs, int64_t seq, int64_t transfer_id,
                    std::chrono::milliseconds timeout, HeadRange heads = {}) {
@@ -189,19 +224,48 @@ void send_sequence(Group& group, int dst_rank, const SequenceTable<Layout>& seqs
   const int64_t page_size = seqs.cache().page_size();
   const int64_t n = length / page_size + (length % page_size != 0 ? 1 : 0);
   const std::vector<int64_t>& all = seqs.pages(seq);
-  const at::Tensor pages = generic::host_index(std::vector<int64_t>(all.begin(), all.begin() + n), at::kCPU);
-  send_pages(group, dst_rank, seqs.cache(), pages, length, transfer_id, timeout, heads);
+  int64_t first = 0;  // the columns the table's window released
+  while (first < n && all[static_cast<size_t>(first)] == kUnmappedPage) ++first;
+  const at::Tensor pages = generic::host_index(std::vector<int64_t>(all.begin() + first, all.begin() + n), at::kCPU);
+  transfer::send_from(group, dst_rank, seqs.cache(), pages, length, first, transfer_id, timeout, heads);
 }
 
 /// Receives one transfer as a new sequence of `seqs` (length = the tokens
-/// sent) and returns its id. On any failure throws c10::Error naming the
-/// cause; the table and its pool are as before.
+/// sent) and returns its id. A windowed sender's sequence arrives with the
+/// pages it held; the table takes it when its own window keeps no page
+/// before those (its window is at most the sender's), and releases what its
+/// window does not keep. On any failure throws c10::Error naming the cause;
+/// the table and its pool are as before.
 template <class Group, class Layout>
 int64_t recv_sequence(Group& group, int src_rank, SequenceTable<Layout>& seqs, int64_t transfer_id,
                       std::chrono::milliseconds timeout) {
+  const int64_t page_size = seqs.cache().page_size();
   int64_t seq = -1;
-  const auto allocate = [&](int64_t /*n_pages*/, int64_t n_tokens) {
+  int64_t first = 0;  // the columns the sender released
+  bool windowed = false;
+  std::vector<int64_t> fresh;  // a windowed sequence's pages, the table's once installed
+  const auto refuse = [&](int64_t first_page, int64_t n_tokens) -> std::string {
+    const int64_t w = seqs.window();
+    const int64_t keeps_from = w == 0 || n_tokens < w ? 0 : (n_tokens - w + 1) / page_size;
+    if (first_page <= keeps_from) return "";
+    return "the sender's windowed table released the first " + std::to_string(first_page) + " pages of the " +
+           std::to_string(n_tokens) + "-token sequence; this table (window " + std::to_string(w) +
+           (w == 0 ? ": every token" : "") + ") keeps it from page " + std::to_string(keeps_from) + " on";
+  };
+  const auto allocate = [&](int64_t n_pages, int64_t n_tokens) {
+    first = n_tokens / page_size + (n_tokens % page_size != 0 ? 1 : 0) - n_pages;
+    windowed = first > 0;
     seq = seqs.create();
+    if (windowed) {
+      // No table call gives a sequence leading released columns: the pages
+      // are the pool's until install() hands them to the sequence.
+      fresh = seqs.cache().pool().alloc_n(n_pages);
+      if (static_cast<int64_t>(fresh.size()) != n_pages) {
+        seqs.release(seq);
+        seq = -1;
+      }
+      return fresh;
+    }
     if (!seqs.reserve(seq, n_tokens)) {  // n_pages pages, all or nothing
       seqs.release(seq);
       seq = -1;
@@ -210,12 +274,23 @@ int64_t recv_sequence(Group& group, int src_rank, SequenceTable<Layout>& seqs, i
     return seqs.pages(seq);
   };
   const auto undo = [&](const std::vector<int64_t>&) {
+    if (windowed) seqs.cache().pool().free_all(fresh);
     if (seq >= 0) seqs.release(seq);
   };
-  const int64_t n_tokens = transfer::receive(checks::Caller{"recv_sequence", Layout::name, nullptr}, group,
-                                                    src_rank, seqs.cache(), transfer_id, timeout, allocate, undo)
-                               .second;
-  seqs.commit_append(seq, n_tokens);  // fits: reserved above
+  const int64_t n_tokens =
+      transfer::receive(checks::Caller{"recv_sequence", Layout::name, nullptr}, group, src_rank, seqs.cache(),
+                               transfer_id, timeout, refuse, allocate, undo)
+          .second;
+  if (!windowed) {
+    seqs.commit_append(seq, n_tokens);  // fits: reserved above
+    return seq;
+  }
+  try {
+    detail::SequenceAccess::install(seqs, seq, first, fresh, n_tokens);
+  } catch (...) {  // std::bad_alloc, before any change
+    undo(fresh);
+    throw;
+  }
   return seq;
 }
 

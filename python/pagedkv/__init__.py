@@ -65,12 +65,14 @@ class PagedCache(_C.PagedCache):
 
 class SequenceTable(_C.SequenceTable):
     """Per-sequence block tables over a PagedCache: create, reserve, fork
-    (shared pages), prepare_append (copy-on-write) / commit_append, batch
-    (page table + lengths for ``bind``), swap_out / swap_in to another
-    table's cache. The cache must be the one the pages come from."""
+    (shared pages), prepare_append (copy-on-write) / commit_append, truncate
+    (rollback), batch (page table + lengths for ``bind``), swap_out / swap_in
+    to another table's cache. The cache must be the one the pages come from.
+    ``window`` >= 1 keeps pages for each sequence's last ``window`` tokens
+    only (sliding-window layers); released columns read -1 in ``batch``."""
 
-    def __init__(self, cache):
-        super().__init__(cache)
+    def __init__(self, cache, window=0):
+        super().__init__(cache, window)
         self._cache = cache
 
     @property

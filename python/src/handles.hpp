@@ -137,7 +137,7 @@ class View {
 /// pagedkv.SequenceTable over a Cache (Python keeps the cache alive).
 class Sequences {
  public:
-  explicit Sequences(Cache& cache);
+  Sequences(Cache& cache, int64_t window);
 
   int64_t create();
   bool reserve(int64_t seq, int64_t n_tokens);
@@ -146,6 +146,7 @@ class Sequences {
   int64_t length(int64_t seq) const;
   bool prepare_append(int64_t seq, int64_t n_tokens);
   void commit_append(int64_t seq, int64_t n_tokens);
+  void truncate(int64_t seq, int64_t n_tokens);
   std::pair<at::Tensor, at::Tensor> batch(const std::vector<int64_t>& seqs) const;
   bool swap_out(int64_t seq, Sequences& host);
   bool swap_in(int64_t seq, Sequences& host);
@@ -154,6 +155,8 @@ class Sequences {
   bool swapped(int64_t seq) const;
   bool contains(int64_t seq) const;
   int64_t size() const;
+  int64_t window() const;
+  void check() const;
 
   /// Calls f(SequenceTable<Layout>&).
   template <class F>

@@ -239,7 +239,7 @@ PYBIND11_MODULE(_C, m) {
       });
 
   py::class_<Sequences>(m, "SequenceTable")
-      .def(py::init<Cache&>(), "cache"_a, py::keep_alive<1, 2>())
+      .def(py::init<Cache&, int64_t>(), "cache"_a, "window"_a = 0, py::keep_alive<1, 2>())
       .def("create", &Sequences::create)
       .def("reserve", &Sequences::reserve, "seq"_a, "n_tokens"_a)
       .def("fork", &Sequences::fork, "seq"_a)
@@ -247,6 +247,7 @@ PYBIND11_MODULE(_C, m) {
       .def("length", &Sequences::length, "seq"_a)
       .def("prepare_append", &Sequences::prepare_append, "seq"_a, "n_tokens"_a, nogil)
       .def("commit_append", &Sequences::commit_append, "seq"_a, "n_tokens"_a)
+      .def("truncate", &Sequences::truncate, "seq"_a, "n_tokens"_a)
       .def("batch", &Sequences::batch, "seqs"_a)
       // A swapped sequence refers to its host table: the table keeps it alive.
       .def("swap_out", &Sequences::swap_out, "seq"_a, "host"_a, py::keep_alive<1, 3>(), nogil)
@@ -255,7 +256,9 @@ PYBIND11_MODULE(_C, m) {
       .def("capacity", &Sequences::capacity, "seq"_a)
       .def("swapped", &Sequences::swapped, "seq"_a)
       .def("contains", &Sequences::contains, "seq"_a)
-      .def("size", &Sequences::size);
+      .def("size", &Sequences::size)
+      .def("window", &Sequences::window)
+      .def("check", &Sequences::check);
 
   py::class_<Prefix>(m, "PrefixCache")
       .def(py::init<Sequences&>(), "seqs"_a, py::keep_alive<1, 2>())

@@ -15,10 +15,10 @@
 
 namespace pagedkv_py {
 
-Sequences::Sequences(Cache& cache) {
+Sequences::Sequences(Cache& cache, int64_t window) {
   cache.visit([&](auto& c) {
     using Layout = layout_of_t<decltype(c)>;
-    table_ = std::make_unique<pagedkv::SequenceTable<Layout>>(c);
+    table_ = std::make_unique<pagedkv::SequenceTable<Layout>>(c, window);
   });
 }
 
@@ -43,6 +43,9 @@ bool Sequences::prepare_append(int64_t seq, int64_t n_tokens) {
 void Sequences::commit_append(int64_t seq, int64_t n_tokens) {
   visit([&](auto& t) { t.commit_append(seq, n_tokens); });
 }
+void Sequences::truncate(int64_t seq, int64_t n_tokens) {
+  visit([&](auto& t) { t.truncate(seq, n_tokens); });
+}
 std::pair<at::Tensor, at::Tensor> Sequences::batch(const std::vector<int64_t>& seqs) const {
   return std::visit([&](const auto& t) { return t->batch(seqs); }, table_);
 }
@@ -66,6 +69,12 @@ bool Sequences::contains(int64_t seq) const {
 }
 int64_t Sequences::size() const {
   return std::visit([](const auto& t) { return t->size(); }, table_);
+}
+int64_t Sequences::window() const {
+  return std::visit([](const auto& t) { return t->window(); }, table_);
+}
+void Sequences::check() const {
+  std::visit([](const auto& t) { t->check(); }, table_);
 }
 
 Prefix::Prefix(Sequences& seqs) {

@@ -1,6 +1,6 @@
 // The CPU write and gather of native pages: parallel over (sequence, page)
 // work items, each a copy_block (cpu/copy.hpp) between the token-major
-// input or output and one page. The quantized kernels (cpu/quant/kernels.hpp)
+// input or output and one page. The quantized kernels (cpu/quant/write_gather.hpp)
 // and the attention kernel (cpu/attention/kernel.hpp) walk the same work
 // items and read layers the same way. Callers validate first; nothing here
 // checks or throws, so a kernel that starts always finishes.

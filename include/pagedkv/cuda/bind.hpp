@@ -55,7 +55,7 @@ inline std::vector<KernelKey> view_kernels(at::ScalarType dtype, const KVQuant& 
 /// device copies, in memory of the view's own or (`per_shape`) the cache's
 /// per-shape buffers (`sets`); the kernels its views launch, loaded. The
 /// pool's epochs at bind tell a stale view later.
-inline std::shared_ptr<const BoundTables> bind_tables(const at::Device& device, at::ScalarType dtype,
+inline std::shared_ptr<BoundTables> bind_tables(const at::Device& device, at::ScalarType dtype,
                                                       const KVQuant& quant, int64_t head_dim, uint64_t alloc_epoch,
                                                       uint64_t free_epoch, BindBufferSets& sets,
                                                       const at::Tensor& host_table,

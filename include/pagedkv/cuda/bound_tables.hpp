@@ -42,6 +42,7 @@ struct BoundTables {
   uint64_t free_epoch = 0;            ///< the pool's at bind
   std::shared_ptr<BindBufferSet> buffers;  ///< per_shape binds: the set written into; else null
   uint64_t generation = 0;            ///< the set's generation this bind made
+  bool leading_unmapped = false;      ///< some row has -1 columns before its length (a windowed table's rows)
 };
 
 /// dst <- host (a contiguous cpu tensor of dst's shape and dtype). For a

@@ -85,7 +85,7 @@ inline PageTensor page_tensor(const at::Tensor& t, const PageGeometry& g) {
   return {t.data_ptr(), t.stride(0) * es, es, g};
 }
 
-/// ops::copy_unchecked's copies when a side runs the CUDA kernels
+/// ops::copy_pages's copies when a side runs the CUDA kernels
 /// (`to_cuda`, `from_cuda`: ops::use_cuda_kernels of each side):
 /// to[dst[i]] <- from[src[i]], i < n, every page tensor, every layer (ids
 /// validated, on the host). Within one device, one kernel per page tensor

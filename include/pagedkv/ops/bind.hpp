@@ -24,10 +24,9 @@ inline bool bind_copies_tables(const Storage& s) { return kernels_for(s.device()
 
 /// bind's device copies for storage `s` (validated input, outside a CUDA
 /// graph capture); null where the kernels read the caller's table.
-inline std::shared_ptr<const cuda::BoundTables> bind_tables(const Storage& s, uint64_t alloc_epoch,
-                                                            uint64_t free_epoch, cuda::BindBufferSets& sets,
-                                                            const at::Tensor& host_table,
-                                                            const std::vector<int64_t>* lengths, bool per_shape) {
+inline std::shared_ptr<cuda::BoundTables> bind_tables(const Storage& s, uint64_t alloc_epoch, uint64_t free_epoch,
+                                                      cuda::BindBufferSets& sets, const at::Tensor& host_table,
+                                                      const std::vector<int64_t>* lengths, bool per_shape) {
   if (!bind_copies_tables(s)) return nullptr;
   return cuda::bind_tables(s.device(), s.dtype, s.quant, s.geometry.head_dim, alloc_epoch, free_epoch, sets,
                            host_table, lengths, per_shape);

@@ -110,8 +110,10 @@ HeaderVerdict check_header(const PagedCache<Layout>& cache, const std::vector<in
     // count is known to fit the pool (whose byte size fits int64).
     const int64_t n = h[w::n_pages];
     const int64_t ps = cache.page_size();
-    const bool counts = h[w::layout] >= 0 && h[w::layout] <= 1 && h[w::n_tokens] >= 0 &&
-                        n == h[w::n_tokens] / ps + (h[w::n_tokens] % ps != 0 ? 1 : 0);
+    const int64_t all = h[w::n_tokens] / ps + (h[w::n_tokens] % ps != 0 ? 1 : 0);
+    const int64_t first = h[w::first_page];
+    const bool counts = h[w::layout] >= 0 && h[w::layout] <= 1 && h[w::n_tokens] >= 0 && first >= 0 &&
+                        first <= all && n == all - first;
     if (!counts) {
       verdict = w::bad_header;
       reason = "bad header: inconsistent layout, token or page counts";
@@ -167,14 +169,17 @@ at::Tensor receive_payload(const checks::Caller& caller, Group& group, int src_r
 
 /// Receiver side of one transfer, in steps: the header (receive_header),
 /// its check (check_header), the pages (allocate), the reply, the payload
-/// (receive_payload), the unpack into the pages. `allocate(n_pages,
-/// n_tokens)` returns n_pages fresh pages (or none when the pool is short,
-/// having allocated nothing); `undo(pages)` frees them. Returns the pages,
-/// filled, and the tokens they hold.
+/// (receive_payload), the unpack into the pages. `refuse(first_page,
+/// n_tokens)` says why the receiver cannot take a sequence whose first
+/// first_page pages its sender's window released ("" when it can).
+/// `allocate(n_pages, n_tokens)` returns n_pages fresh pages (or none when
+/// the pool is short, having allocated nothing); `undo(pages)` frees them.
+/// Returns the pages, filled, and the tokens they hold.
 template <class Group, class Layout>
 std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, Group& group, int src_rank,
                                                  PagedCache<Layout>& cache, int64_t transfer_id,
                                                  std::chrono::milliseconds timeout,
+                                                 const std::function<std::string(int64_t, int64_t)>& refuse,
                                                  const std::function<std::vector<int64_t>(int64_t, int64_t)>& allocate,
                                                  const std::function<void(const std::vector<int64_t>&)>& undo) {
   namespace w = transfer::wire;
@@ -187,6 +192,13 @@ std::pair<std::vector<int64_t>, int64_t> receive(const checks::Caller& caller, G
   // Validate everything before allocating; a rejection is sent back so that
   // the sender fails too (and sends no payload).
   HeaderVerdict check = check_header(cache, h, transfer_id);
+  if (check.verdict == w::accept) {
+    std::string why = refuse(h[w::first_page], h[w::n_tokens]);
+    if (!why.empty()) {
+      check.verdict = w::window;
+      check.reason = "window: " + why;
+    }
+  }
   std::vector<int64_t> pages;
   if (check.verdict == w::accept) {
     pages = allocate(h[w::n_pages], h[w::n_tokens]);

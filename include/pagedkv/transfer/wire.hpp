@@ -57,13 +57,15 @@ enum Field : int64_t {
   n_pages,
   payload_bytes,  // all messages together
   scale_bytes,    // per layer: the scale sections of quantized pages, 0 for native ones
+  first_page,     // columns a windowed table released before the pages sent (n_pages = the pages of
+                  // n_tokens - first_page); 0 for every other transfer, which older receivers require
   first_reserved,  // this word up to the checksum: 0 in version 1
   checksum = kHeaderWords - 1,
 };
 
 /// Reply word indices and verdicts.
 enum ReplyField : int64_t { reply_magic, verdict, reply_transfer_id, detail };
-enum Verdict : int64_t { accept = 0, bad_header = 1, wrong_transfer_id = 2, mismatch = 3, short_pool = 4 };
+enum Verdict : int64_t { accept = 0, bad_header = 1, wrong_transfer_id = 2, mismatch = 3, short_pool = 4, window = 5 };
 
 inline int64_t checksum_of(const int64_t* words) {
   uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a over the words
@@ -148,11 +150,12 @@ int64_t payload_bytes(const PagedCache<Layout>& cache, int64_t n, int64_t width)
   return cache.n_layers() * 2 * n * slice_bytes(cache.page_size(), width, cache.head_dim(), es);
 }
 
-/// The header of a transfer of n pages (tokens [0, n_tokens)) of `cache`,
-/// heads [heads.begin, heads.end) (resolved: end != -1).
+/// The header of a transfer of n pages (tokens [0, n_tokens), from
+/// column first_page on) of `cache`, heads [heads.begin, heads.end)
+/// (resolved: end != -1).
 template <class Layout>
 std::vector<int64_t> header_words(const PagedCache<Layout>& cache, int64_t n, int64_t n_tokens, int64_t transfer_id,
-                                  HeadRange heads) {
+                                  HeadRange heads, int64_t first_page = 0) {
   namespace w = transfer::wire;
   const int64_t width = heads.end - heads.begin;
   std::vector<int64_t> h(static_cast<size_t>(w::kHeaderWords), 0);
@@ -172,6 +175,7 @@ std::vector<int64_t> header_words(const PagedCache<Layout>& cache, int64_t n, in
   h[w::layout] = w::layout_code<Layout>();
   h[w::n_tokens] = n_tokens;
   h[w::n_pages] = n;
+  h[w::first_page] = first_page;
   h[w::payload_bytes] = payload_bytes(cache, n, width);
   h[w::scale_bytes] = is_quantized(cache.quant()) ? layer_sections(cache, n, width).all_scale_bytes : 0;
   h[w::checksum] = w::checksum_of(h.data());

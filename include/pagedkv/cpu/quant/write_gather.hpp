@@ -5,7 +5,7 @@
 // (K or V) at a time, so K and V may use different formats; a native side is
 // a plain byte copy. Parallel over (sequence, page) work items, the codecs of
 // cpu/quant/codecs.hpp on the instruction set the caller selected. The same
-// arithmetic in ATen ops, for other devices: generic/quant_kernels.hpp.
+// arithmetic in ATen ops, for other devices: generic/quant.hpp.
 #pragma once
 
 #include <ATen/ATen.h>
