@@ -1218,7 +1218,7 @@ std::pair<at::Tensor, at::Tensor> held_tokens(const SequenceTable<NHD>& seqs, in
 // before them takes it (and releases what its own window drops), while a
 // table that would need them, and recv_pages, refuse it on both sides.
 TEST(TransferInProcess, WindowedSequencesMoveOnlyTheirHeldPages) {
-  namespace w = pagedkv::transfer_wire;
+  namespace w = pagedkv::transfer::wire;
   const auto make = [] { return PagedCache<NHD>(2, 12, 3, 2, 4, at::TensorOptions().dtype(at::kFloat)); };
   PagedCache<NHD> src = make();
   SequenceTable<NHD> src_seqs(src, /*window=*/4);

@@ -217,15 +217,9 @@ void write_starts(const checks::Caller& caller, const Storage& s, int64_t layer,
   ops::write(s, layer, ops::table_of(s, page_table, nullptr), where, k, v);
 }
 
-/// What a gather reads from once its checks passed: op storage and the dtype it returns.
-struct GatherSource {
-  Storage storage;
-  at::ScalarType out_dtype;
-};
-
 /// The checks every gather makes before its lengths: the cache tensors, the
-/// dtype asked for, layer and page table.
-GatherSource checked_gather(const checks::Caller& caller, const at::Tensor& k_cache, const at::Tensor& v_cache,
+/// dtype asked for (the storage's dtype from then on), layer and page table.
+Storage checked_gather(const checks::Caller& caller, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             int64_t layer, const at::Tensor& page_table, c10::string_view layout,
                             const c10::optional<at::Tensor>& k_scales, const c10::optional<at::Tensor>& v_scales,
                             c10::optional<at::ScalarType> dtype) {
@@ -234,7 +228,7 @@ GatherSource checked_gather(const checks::Caller& caller, const at::Tensor& k_ca
   s.dtype = out_dtype;
   checks::layer(caller, layer, s.n_layers());
   checks::page_table(caller, page_table, s.device());
-  return {std::move(s), out_dtype};
+  return s;
 }
 
 void write_op(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer, const at::Tensor& page_table,
@@ -267,10 +261,7 @@ std::tuple<at::Tensor, at::Tensor> gather_op(const at::Tensor& k_cache, const at
                                              c10::optional<at::ScalarType> dtype) {
   return op_body([&] {
     const checks::Caller caller = op_checks::op("gather");
-    const GatherSource source =
-        checked_gather(caller, k_cache, v_cache, layer, page_table, layout, k_scales, v_scales, dtype);
-    const Storage& s = source.storage;
-    const at::ScalarType out_dtype = source.out_dtype;
+    const Storage s = checked_gather(caller, k_cache, v_cache, layer, page_table, layout, k_scales, v_scales, dtype);
     checks::non_negative(caller, "total_len", total_len);
     const at::Tensor host_table = on_host(page_table);
     const int64_t page_size = s.geometry.page_size;
@@ -299,10 +290,7 @@ std::tuple<at::Tensor, at::Tensor> gather_lengths_op(const at::Tensor& k_cache, 
                                                      c10::optional<at::ScalarType> dtype) {
   return op_body([&] {
     const checks::Caller caller = op_checks::op("gather");
-    const GatherSource source =
-        checked_gather(caller, k_cache, v_cache, layer, page_table, layout, k_scales, v_scales, dtype);
-    const Storage& s = source.storage;
-    const at::ScalarType out_dtype = source.out_dtype;
+    const Storage s = checked_gather(caller, k_cache, v_cache, layer, page_table, layout, k_scales, v_scales, dtype);
     const std::vector<int64_t> lens = checks::per_sequence(caller, "lengths", lengths, page_table.size(0), s.device());
     const auto kv = pagedkv::visit_page_table(on_host(page_table), [&](const auto& table) {
       for (int64_t row = 0; row < table.rows; ++row) {
