@@ -83,9 +83,9 @@ class DeviceExecutor final : public Executor {
   /// Whether torch's current stream of this device is capturing a CUDA graph.
   bool capturing() const {
     const Driver& d = driver();
-    int status = driver::kCaptureStatusNone;
+    int status = detail::kCaptureStatusNone;
     d.check(d.StreamIsCapturing(c10::cuda::getCurrentCUDAStream(index_).stream(), &status), "cuStreamIsCapturing");
-    return status != driver::kCaptureStatusNone;
+    return status != detail::kCaptureStatusNone;
   }
 
   /// The architecture kernels are compiled for (10 * major + minor), and
@@ -104,10 +104,10 @@ class DeviceExecutor final : public Executor {
     d.check(d.DeviceGet(&device_, index), "cuDeviceGet");
     d.check(d.DevicePrimaryCtxRetain(&context_, device_), "cuDevicePrimaryCtxRetain");
     int major = 0, minor = 0;
-    d.check(d.DeviceGetAttribute(&major, driver::kAttributeComputeCapabilityMajor, device_), "cuDeviceGetAttribute");
-    d.check(d.DeviceGetAttribute(&minor, driver::kAttributeComputeCapabilityMinor, device_), "cuDeviceGetAttribute");
-    d.check(d.DeviceGetAttribute(&sm_count_, driver::kAttributeMultiprocessorCount, device_), "cuDeviceGetAttribute");
-    d.check(d.DeviceGetAttribute(&max_shared_, driver::kAttributeMaxSharedPerBlockOptin, device_),
+    d.check(d.DeviceGetAttribute(&major, detail::kAttributeComputeCapabilityMajor, device_), "cuDeviceGetAttribute");
+    d.check(d.DeviceGetAttribute(&minor, detail::kAttributeComputeCapabilityMinor, device_), "cuDeviceGetAttribute");
+    d.check(d.DeviceGetAttribute(&sm_count_, detail::kAttributeMultiprocessorCount, device_), "cuDeviceGetAttribute");
+    d.check(d.DeviceGetAttribute(&max_shared_, detail::kAttributeMaxSharedPerBlockOptin, device_),
             "cuDeviceGetAttribute");
     const Nvrtc& nv = nvrtc();
     TORCH_CHECK(nv.major * 1000 <= d.version, "pagedkv::cuda: NVRTC ", nv.major, ".", nv.minor, " (", nv.path,
@@ -155,7 +155,7 @@ class DeviceExecutor final : public Executor {
     Function& f = functions_.at(k.entry());
     if (bytes <= f.shared_limit) return;
     const Driver& d = driver();
-    d.check(d.FuncSetAttribute(f.handle, driver::kFuncMaxDynamicSharedBytes, static_cast<int>(bytes)),
+    d.check(d.FuncSetAttribute(f.handle, detail::kFuncMaxDynamicSharedBytes, static_cast<int>(bytes)),
             "cuFuncSetAttribute");
     f.shared_limit = bytes;
   }

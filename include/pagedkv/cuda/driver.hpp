@@ -17,14 +17,14 @@ namespace pagedkv {
 namespace cuda {
 
 /// cuda.h's values of the enums used here.
-namespace driver {
+namespace detail {
 constexpr int kAttributeMultiprocessorCount = 16;       // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
 constexpr int kAttributeComputeCapabilityMajor = 75;   // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
 constexpr int kAttributeComputeCapabilityMinor = 76;   // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR
 constexpr int kAttributeMaxSharedPerBlockOptin = 97;   // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
 constexpr int kFuncMaxDynamicSharedBytes = 8;          // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 constexpr int kCaptureStatusNone = 0;                  // CU_STREAM_CAPTURE_STATUS_NONE
-}  // namespace driver
+}  // namespace detail
 
 /// The driver's functions.
 struct Driver {
