@@ -28,6 +28,7 @@
 #include "pagedkv/page_store.hpp"
 #include "pagedkv/prefix_cache.hpp"
 #include "pagedkv/torch_compat.hpp"
+#include "warnings_capture.hpp"
 
 namespace {
 
@@ -49,30 +50,7 @@ constexpr int64_t kPage = 4;
 constexpr int64_t kHeads = 2;
 constexpr int64_t kDim = 8;
 
-/// Collects the c10 warnings raised in its scope.
-class Warnings : public c10::WarningHandler {
- public:
-  Warnings() : guard_(this) {}
-#if PAGEDKV_TORCH_AT_LEAST(2, 0)
-  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
-#else
-  void process(const c10::SourceLocation&, const std::string& msg, const bool) override { messages.push_back(msg); }
-#endif
-  bool any(const std::string& part) const {
-    for (const auto& m : messages) {
-      if (m.find(part) != std::string::npos) return true;
-    }
-    return false;
-  }
-  std::vector<std::string> messages;
-
- private:
-#if PAGEDKV_TORCH_AT_LEAST(2, 0)
-  c10::WarningUtils::WarningHandlerGuard guard_;
-#else
-  c10::Warning::WarningHandlerGuard guard_;
-#endif
-};
+using pagedkv_test::Warnings;
 
 /// A fresh directory, removed with everything in it at the end of the scope.
 struct TempDir {

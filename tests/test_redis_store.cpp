@@ -26,6 +26,7 @@
 #include "pagedkv/prefix_cache.hpp"
 #include "pagedkv/stores/redis.hpp"
 #include "pagedkv/torch_compat.hpp"
+#include "warnings_capture.hpp"
 
 #ifndef PAGEDKV_REDIS_SERVER
 #define PAGEDKV_REDIS_SERVER "redis-server"
@@ -44,29 +45,7 @@ using std::chrono::milliseconds;
 
 constexpr int64_t kPage = 4;
 
-class Warnings : public c10::WarningHandler {
- public:
-  Warnings() : guard_(this) {}
-#if PAGEDKV_TORCH_AT_LEAST(2, 0)
-  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
-#else
-  void process(const c10::SourceLocation&, const std::string& msg, const bool) override { messages.push_back(msg); }
-#endif
-  bool any(const std::string& part) const {
-    for (const auto& m : messages) {
-      if (m.find(part) != std::string::npos) return true;
-    }
-    return false;
-  }
-  std::vector<std::string> messages;
-
- private:
-#if PAGEDKV_TORCH_AT_LEAST(2, 0)
-  c10::WarningUtils::WarningHandlerGuard guard_;
-#else
-  c10::Warning::WarningHandlerGuard guard_;
-#endif
-};
+using pagedkv_test::Warnings;
 
 int free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
