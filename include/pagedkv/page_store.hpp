@@ -883,8 +883,9 @@ class DiskStore final : public PageStore {
         continue;
       }
       if (name.size() != 20 || name.compare(16, 4, ".pkv") != 0) continue;
+      const std::string hex = name.substr(0, 16);  // outlives `end`, which points into it
       char* end = nullptr;
-      const uint64_t key = std::strtoull(name.substr(0, 16).c_str(), &end, 16);
+      const uint64_t key = std::strtoull(hex.c_str(), &end, 16);
       if (end == nullptr || *end != '\0' || ::stat(p.c_str(), &st) != 0) continue;
       found.push_back({static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec, key,
                        static_cast<int64_t>(st.st_size)});
