@@ -41,7 +41,7 @@ namespace stores {
 class RedisStore final : public PageStore {
  public:
   /// host_port: "HOST:PORT" (HOST a name or an IPv4 address).
-  RedisStore(const std::string& host_port, int64_t max_bytes = 0,
+  explicit RedisStore(const std::string& host_port, int64_t max_bytes = 0,
              std::chrono::milliseconds timeout = std::chrono::milliseconds(1000),
              std::chrono::milliseconds retry = std::chrono::milliseconds(2000), std::string prefix = "pagedkv:")
       : max_bytes_(max_bytes), timeout_(timeout), retry_(retry), prefix_(std::move(prefix)) {
