@@ -32,7 +32,10 @@ namespace pagedkv {
 /// Causal paged attention over a view bound with per-sequence lengths that
 /// already count the Sq new tokens (written before the call). Query s of
 /// sequence b sits at position lengths[b] - Sq + s and attends to positions
-/// <= its own; query head h reads kv head h / (n_heads / n_kv_heads).
+/// <= its own (within options.window; among the new tokens as
+/// options.tree_mask says); query head h reads kv head h / (n_heads /
+/// n_kv_heads). Soft-cap and sinks as AttentionOptions says; a query that
+/// sees no key returns zeros.
 /// Returns [B, Sq, n_heads, D] in q's dtype. A view bound for the CUDA
 /// kernels is checked against bind's host snapshot: no device sync.
 template <class Layout>
@@ -50,25 +53,33 @@ at::Tensor paged_attention(const CacheView<Layout>& view, int64_t layer,
   checks::page_table(caller, table.bound != nullptr ? table.host : view.page_table(), cache.device());
   const int64_t batch = table.rows();
   checks::attention_query(caller, q, batch, g, dtype, cache.device());
-  checks::attention_scale(caller, options.scale);
-  checks::bound_with_lengths(caller, view.lengths());
   const int64_t n_queries = q.size(1);
+  checks::attention_options(caller, options, batch, n_queries, q.size(2), cache.device());
+  checks::bound_with_lengths(caller, view.lengths());
   const std::vector<int64_t> lengths =
       table.bound != nullptr ? table.bound->host_lengths
                              : checks::per_sequence(caller, "lengths", view.lengths(), batch, cache.device());
   checks::attention_lengths(caller, lengths, n_queries);
+  // The keys a row's queries read: from the earliest query's window start
+  // (the columns before it may be -1: a windowed SequenceTable's).
+  const auto first_read = [&](int64_t row) {
+    return checks::first_visible(lengths[static_cast<size_t>(row)], n_queries, options.window);
+  };
   visit_page_table(table.host, [&](const auto& rows) {
     if (table.bound == nullptr) {
       for (int64_t row = 0; row < rows.rows; ++row) {
-        checks::mapped_prefix(caller, rows, row, lengths[static_cast<size_t>(row)], g.page_size, cache.pool());
+        checks::mapped_range(caller, rows, row, first_read(row), lengths[static_cast<size_t>(row)], g.page_size,
+                             cache.pool());
       }
       return;
     }
     for (int64_t row = 0; table.bound->leading_unmapped && row < rows.rows; ++row) {  // bind let those through
-      checks::mapped_prefix(caller, rows, row, lengths[static_cast<size_t>(row)], g.page_size, cache.pool());
+      checks::mapped_range(caller, rows, row, first_read(row), lengths[static_cast<size_t>(row)], g.page_size,
+                           cache.pool());
     }
     checks::bound_view_current(caller, *table.bound, rows, cache.pool(), [&](int64_t row) {
-      return std::make_pair(int64_t{0}, (lengths[static_cast<size_t>(row)] + g.page_size - 1) / g.page_size);
+      return std::make_pair(first_read(row) / g.page_size,
+                            (lengths[static_cast<size_t>(row)] + g.page_size - 1) / g.page_size);
     });
   });
   // Validated: from here on nothing throws (but a device error).

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "pagedkv/attention_options.hpp"
 #include "pagedkv/cuda/bound_tables.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
@@ -213,6 +214,28 @@ void mapped_prefix(const Caller& caller, const PageTableRef<Index>& table, int64
   }
 }
 
+/// Row `row` maps every page that holds positions [first, length): the
+/// keys an attention call with a window reads (first = the earliest
+/// query's window start; 0 without a window: mapped_prefix). Columns
+/// before first's page are not read, and may be -1.
+template <class Index>
+void mapped_range(const Caller& caller, const PageTableRef<Index>& table, int64_t row, int64_t first, int64_t length,
+                  int64_t page_size, const PagePool& pool) {
+  if (first <= 0) {
+    mapped_prefix(caller, table, row, length, page_size, pool);
+    return;
+  }
+  TORCH_CHECK_INDEX(length <= table.cols * page_size, caller, ": argument 'lengths' expected lengths[", row,
+                    "] <= ", table.cols * page_size, " (the tokens page_table row ", row, " can map), got ",
+                    length);
+  for (int64_t col = first / page_size; col * page_size < length; ++col) {
+    TORCH_CHECK_INDEX(table(row, col) != kUnmappedPage, caller, ": argument 'page_table' expected a page at page_table[",
+                      row, "][", col, "] (it holds positions a query's window sees, ", first, " to lengths[", row,
+                      "] - 1 = ", length - 1, "), got -1");
+    page_allocated(caller, table, row, col, pool);
+  }
+}
+
 /// Row `row` maps every page from its first mapped column through the one
 /// that holds position length - 1: the leading -1 columns a windowed
 /// SequenceTable leaves (pages wholly older than every query's window) are
@@ -355,6 +378,44 @@ inline void attention_query(const Caller& caller, const at::Tensor& q, int64_t b
 inline void attention_scale(const Caller& caller, double scale) {
   TORCH_CHECK(std::isfinite(scale), caller,
               ": argument 'scale' expected a finite value (<= 0 for 1/sqrt(head_dim)), got ", scale);
+}
+
+/// The options beyond the scale: window >= 0; softcap >= 0 and finite;
+/// sinks undefined or [n_heads] float32 on `device`; tree_mask undefined or
+/// [batch, n_queries, n_queries] bool on `device`.
+inline void attention_options(const Caller& caller, const AttentionOptions& options, int64_t batch,
+                              int64_t n_queries, int64_t n_heads, const at::Device& device) {
+  attention_scale(caller, options.scale);
+  TORCH_CHECK(options.window >= 0, caller, ": argument 'options.window' expected >= 0 (0: no window), got ",
+              options.window);
+  TORCH_CHECK(std::isfinite(options.softcap) && options.softcap >= 0.0, caller,
+              ": argument 'options.softcap' expected a finite value >= 0 (0: no soft-cap), got ", options.softcap);
+  if (options.sinks.defined()) {
+    const at::Tensor& sinks = options.sinks;
+    TORCH_CHECK(sinks.dim() == 1 && sinks.size(0) == n_heads, caller,
+                ": argument 'options.sinks' expected shape [", n_heads, "] (one logit per query head), got ",
+                sinks.sizes());
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat, caller,
+                ": argument 'options.sinks' expected dtype float32, got ", sinks.scalar_type());
+    TORCH_CHECK(sinks.device() == device, caller, ": argument 'options.sinks' expected on ", device,
+                " (the cache's device), got ", sinks.device());
+  }
+  if (options.tree_mask.defined()) {
+    const at::Tensor& mask = options.tree_mask;
+    TORCH_CHECK(mask.dim() == 3 && mask.size(0) == batch && mask.size(1) == n_queries && mask.size(2) == n_queries,
+                caller, ": argument 'options.tree_mask' expected shape [", batch, ", ", n_queries, ", ", n_queries,
+                "] ([batch, Sq, Sq]), got ", mask.sizes());
+    TORCH_CHECK(mask.scalar_type() == at::kBool, caller,
+                ": argument 'options.tree_mask' expected dtype bool, got ", mask.scalar_type());
+    TORCH_CHECK(mask.device() == device, caller, ": argument 'options.tree_mask' expected on ", device,
+                " (the cache's device), got ", mask.device());
+  }
+}
+
+/// The first position any query of a row of length `length` reads: the
+/// earliest query's (at length - n_queries) window start; 0 without one.
+inline int64_t first_visible(int64_t length, int64_t n_queries, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, length - n_queries - window + 1) : 0;
 }
 
 /// The view carries per-sequence lengths (bind(page_table, lengths)).
