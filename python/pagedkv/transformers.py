@@ -38,7 +38,7 @@ try:  # where transformers 5 records what output_attentions asked for
 except ImportError:  # pragma: no cover
     _active_collector = None
 
-__all__ = ["enable", "PagedKVCache", "stats", "reset_stats", "FAMILIES"]
+__all__ = ["enable", "PagedKVCache", "stats", "reset_stats", "missing_kernel_options", "FAMILIES"]
 
 NAME = "pagedkv"
 
@@ -93,6 +93,21 @@ def _kernel_supports():
                 found.add(name)
         _kernel_options = found
     return _kernel_options
+
+
+def missing_kernel_options(config):
+    """The options a model of `config` needs that this build's kernel lacks ({"window", "softcap", "sinks"}):
+    the layers that need one run the fallback (counted in fallback_calls)."""
+    text = _text_config(config)
+    needed = set()
+    layer_types, _ = get_layer_types_and_kwargs(text)
+    if "sliding_attention" in layer_types or getattr(text, "sliding_window", None):
+        needed.add("window")
+    if getattr(text, "attn_logit_softcapping", None):
+        needed.add("softcap")
+    if getattr(text, "model_type", None) == "gpt_oss":
+        needed.add("sinks")
+    return needed - _kernel_supports()
 
 
 # ---------------------------------------------------------------- the cache
@@ -389,11 +404,17 @@ class PagedKVCache(Cache):
                                "it %d" % (layer_idx, n_tokens, step.n_tokens))
         if self.pools[0].cache is None:
             self._materialize(key_states)
-        if not rows:
-            for pool in self.pools:
-                pool.rows = [pool.seqs.create() for _ in range(batch)]
         if step is None:
-            self._begin(n_tokens)
+            fresh = not rows
+            if fresh:
+                for pool in self.pools:
+                    pool.rows = [pool.seqs.create() for _ in range(batch)]
+            try:
+                self._begin(n_tokens)
+            except BaseException:
+                if fresh:  # a refused first forward leaves no rows behind: the next may bring another batch
+                    self.reset()
+                raise
             step = self._step
         layer = self.layers[layer_idx]
         pool = layer.pool
