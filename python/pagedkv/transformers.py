@@ -16,7 +16,6 @@ batch's mask, ``output_attentions``, an option this build's kernel lacks)
 runs the model family's own eager attention on K/V gathered from the pages,
 and counts in ``stats()["fallback_calls"]``. See docs/transformers.md.
 """
-import inspect
 import sys
 import threading
 import weakref
@@ -119,9 +118,9 @@ def _text_config(config):
 
 
 class _Step:
-    """The forward in flight: its token count and the layers that wrote it.
+    """The forward in flight: its token count and the layers whose update it reached.
 
-    Rows commit only when the next forward starts (or at crop, reorder,
+    Tokens commit only when the next forward starts (or at crop, reorder,
     reset): assisted decoding's crop then commits fewer tokens instead of
     rolling back a windowed table past what it kept."""
 
@@ -134,7 +133,12 @@ class _Step:
 
 
 class _Pool:
-    """One PagedCache and its SequenceTable: the full-attention layers', or one sliding window's."""
+    """One PagedCache and its SequenceTable: every full-attention layer's, or one sliding layer's.
+
+    A sliding layer has a pool of its own, so that it can write and attend a
+    long forward in chunks, its table freeing what falls out of the window
+    between chunks: its pages stay bounded by the window, the prompt's length
+    notwithstanding."""
 
     def __init__(self, window, layers):
         self.window = window  # 0: full attention
@@ -142,9 +146,32 @@ class _Pool:
         self.cache = None
         self.seqs = None
         self.rows = []
-        self.page_table = None  # of the step in flight
-        self.starts = None
+        self.length = 0  # committed tokens per row
+        self.pending = 0  # written past `length`, committed by _settle
+        self.page_table = None  # of the chunk in flight
         self.view = None
+
+    def reserve(self, n_tokens):
+        """prepare_append(n_tokens) on every row, all or nothing; False when the pool is short."""
+        done = []
+        for row in self.rows:
+            if not self.seqs.prepare_append(row, n_tokens):
+                for r in done:
+                    self.seqs.truncate(r, self.length)
+                return False
+            done.append(row)
+        self.page_table, lengths = self.seqs.batch(self.rows)
+        self.view = self.cache.bind(self.page_table, lengths=lengths + self.pending + n_tokens)
+        return True
+
+    def commit(self, n_tokens):
+        for row in self.rows:
+            if n_tokens > 0:
+                self.seqs.commit_append(row, n_tokens)
+            else:
+                self.seqs.truncate(row, self.length)  # the reserved pages go back
+        self.length += n_tokens
+        self.page_table = self.view = None
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -180,7 +207,7 @@ class _PagedLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length):
         # As DynamicLayer / DynamicSlidingWindowLayer: the mask covers
-        # positions [kv_offset, length + query_length), what a fallback gathers.
+        # positions [kv_offset, length + query_length).
         length = self.get_seq_length()
         if not self.is_sliding:
             return length + query_length, 0
@@ -188,7 +215,7 @@ class _PagedLayer(CacheLayerMixin):
         offset = max(length - w + 1, 0)
         return (w - 1 + query_length if length >= w else length + query_length), offset
 
-    # The cache acts on every layer at once (its pools are shared).
+    # The cache acts on every layer at once.
     def reset(self):
         pass
 
@@ -211,17 +238,24 @@ class _PagedLayer(CacheLayerMixin):
         pass
 
 
+# A sliding layer attends a forward in chunks of max(window, this) queries;
+# a forward of at most this many tokens (decode, draft verification) is one
+# chunk, which crop can take back.
+SLIDING_CHUNK = 256
+
+
 class PagedKVCache(Cache):
     """A transformers ``Cache`` whose K/V live in pagedkv pages.
 
-    ``config``: the model's config (its decoder's is used). ``n_pages`` pages
-    of ``page_size`` tokens in each pool: one for the full-attention layers,
-    one per sliding window (whose table keeps only the window's pages).
-    ``layout`` "NHD" or "HND"; ``kv_format`` "native", "fp8" or "int8";
-    ``device`` / ``dtype`` None: the model's (taken at the first forward).
-    The model must run with ``attn_implementation="pagedkv"`` (after
-    ``enable()``). One cache serves one model and one batch (its rows are
-    the batch's sequences) until ``reset()``.
+    ``config``: the model's config (its decoder's is used). ``n_pages``
+    pages of ``page_size`` tokens for the full-attention layers; each
+    sliding layer gets a pool of its own sized to its window (see
+    docs/transformers.md). ``layout`` "NHD" or "HND"; ``kv_format``
+    "native", "fp8" or "int8"; ``device`` / ``dtype`` None: the model's
+    (taken at the first forward). The model must run with
+    ``attn_implementation="pagedkv"`` (after ``enable()``). One cache serves
+    one model and one batch (its rows are the batch's sequences) until
+    ``reset()``.
     """
 
     def __init__(self, config, n_pages=4096, page_size=16, layout="NHD", kv_format="native", device=None,
@@ -260,33 +294,43 @@ class PagedKVCache(Cache):
         self.n_heads = text.num_attention_heads
         self.n_kv_heads = getattr(text, "num_key_value_heads", None) or self.n_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        pools = {}
+        full = _Pool(0, [])
+        self.pools = [full]
         layers = []
         for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
             window = int(kwargs.get("sliding_window") or 0) if kind == "sliding_attention" else 0
-            pool = pools.get(window)
-            if pool is None:
-                pool = pools[window] = _Pool(window, [])
-            pool.layers.append(i)
+            if window:
+                pool = _Pool(window, [i])
+                self.pools.append(pool)
+            else:
+                pool = full
+                full.layers.append(i)
             layers.append(_PagedLayer(self, i, pool, len(pool.layers) - 1, window))
-        self.pools = [pools[w] for w in sorted(pools)]
+        if not full.layers:
+            self.pools.remove(full)
         self._length = 0  # committed tokens per row (every row has as many: a padded batch pads)
         self._step = None
         self._serial = 0
+        self._broken = None  # why the cache can no longer be used (a forward stopped half way), or None
         self._modules = {}  # layer index -> weakref to the attention module that ran it
         self._lock = threading.RLock()
         super().__init__(layers=layers)
 
     def __repr__(self):
-        pools = ", ".join("%s: %d layers" % ("window %d" % p.window if p.window else "full", len(p.layers))
-                          for p in self.pools)
-        return ("pagedkv.transformers.PagedKVCache(%s, n_pages=%d, page_size=%d, layout=%r, kv_format=%r; %s; "
-                "%d rows of %d tokens)" % (self.family, self.n_pages, self.page_size, self.layout, self.kv_format,
-                                           pools, len(self.pools[0].rows), self._length))
+        full = sum(len(p.layers) for p in self.pools if not p.window)
+        windows = sorted({p.window for p in self.pools if p.window})
+        return ("pagedkv.transformers.PagedKVCache(%s, n_pages=%d, page_size=%d, layout=%r, kv_format=%r; %d full "
+                "layers%s; %d rows of %d tokens)" % (
+                    self.family, self.n_pages, self.page_size, self.layout, self.kv_format, full,
+                    "".join(", %d of window %d" % (sum(1 for p in self.pools if p.window == w), w) for w in windows),
+                    len(self.pools[0].rows), self._length))
 
     # ---------------------------------------------------------------- storage
 
-    def _materialize(self, key_states):
+    def _chunk(self, pool):
+        return max(pool.window, SLIDING_CHUNK)
+
+    def _materialize(self, key_states, batch):
         """The pools' storage, made at the first update: the model's device and dtype unless given."""
         device = self.device if self.device is not None else key_states.device
         dtype = self.dtype if self.dtype is not None else key_states.dtype
@@ -294,7 +338,16 @@ class PagedKVCache(Cache):
             raise RuntimeError("pagedkv.transformers.PagedKVCache: the model computes in %s; pagedkv's pages hold "
                                "float32, float16 or bfloat16 (pass dtype=)" % (dtype,))
         for pool in self.pools:
-            pool.cache = pagedkv.PagedCache(len(pool.layers), self.n_pages, self.page_size, self.n_kv_heads,
+            if pool.cache is not None:
+                continue
+            if pool.window:
+                # What a chunk's queries see, [start - window + 1, start + chunk), plus one page per row that
+                # copy-on-write takes when beams share the last page: never short.
+                span = pool.window - 1 + self._chunk(pool)
+                n_pages = batch * (-(-span // self.page_size) + 2)
+            else:
+                n_pages = self.n_pages
+            pool.cache = pagedkv.PagedCache(len(pool.layers), n_pages, self.page_size, self.n_kv_heads,
                                             self.head_dim, device, dtype, self.layout, self.kv_format)
             pool.seqs = pagedkv.SequenceTable(pool.cache, window=pool.window)
         self.device, self.dtype = device, dtype
@@ -315,35 +368,24 @@ class PagedKVCache(Cache):
         return self._length + (step.n_tokens if step is not None and index in step.written else 0)
 
     def _begin(self, n_tokens):
-        """Reserves n_tokens more per row in every pool, all or nothing."""
-        done = []
-        try:
-            for pool in self.pools:
-                for row in pool.rows:
-                    if not pool.seqs.prepare_append(row, n_tokens):
-                        need = sum(-(-(self._length + n_tokens) // self.page_size) -
-                                   len([p for p in pool.seqs.pages(r) if p >= 0]) for r in pool.rows)
-                        raise RuntimeError(
-                            "pagedkv.transformers.PagedKVCache: the cache is too small: %d rows of %d + %d tokens "
-                            "need about %d more pages of %d tokens in the %s pool, which has %d of %d free "
-                            "(raise n_pages)" % (len(pool.rows), self._length, n_tokens, need, self.page_size,
-                                                 "window %d" % pool.window if pool.window else "full-attention",
-                                                 pool.cache.n_free(), pool.cache.n_pages))
-                    done.append((pool, row))
-        except BaseException:
-            for pool, row in done:
-                pool.seqs.truncate(row, self._length)
-            raise
+        """A new forward of n_tokens: the full-attention pool reserves them now, all rows or none."""
+        full = self.pools[0]
+        if not full.window and not full.reserve(n_tokens):
+            need = sum(-(-(self._length + n_tokens) // self.page_size) -
+                       len([p for p in full.seqs.pages(r) if p >= 0]) for r in full.rows)
+            raise RuntimeError(
+                "pagedkv.transformers.PagedKVCache: the cache is too small: %d rows of %d + %d tokens need about %d "
+                "more pages of %d tokens, and %d of n_pages=%d are free (raise n_pages)"
+                % (len(full.rows), self._length, n_tokens, need, self.page_size, full.cache.n_free(),
+                   full.cache.n_pages))
+        if not full.window:
+            full.pending = n_tokens
         self._serial += 1
         self._step = _Step(n_tokens, self._serial)
-        for pool in self.pools:
-            pool.page_table, lengths = pool.seqs.batch(pool.rows)
-            pool.starts = lengths
-            pool.view = pool.cache.bind(pool.page_table, lengths=lengths + n_tokens)
 
     def _settle(self, keep=None):
-        """Ends the step in flight: commits its tokens (the first `keep` of them) when every layer wrote
-        them, drops it when a forward stopped half way."""
+        """Ends the forward in flight: commits its tokens (the first `keep` of them) when every layer ran,
+        drops them when the forward stopped half way."""
         step = self._step
         if step is None:
             return
@@ -351,12 +393,14 @@ class PagedKVCache(Cache):
         complete = len(step.written) == len(self.layers)
         n = (step.n_tokens if keep is None else keep) if complete else 0
         for pool in self.pools:
-            for row in pool.rows:
-                if n > 0:
-                    pool.seqs.commit_append(row, n)
-                else:
-                    pool.seqs.truncate(row, self._length)  # the reserved pages go back
-            pool.page_table = pool.starts = pool.view = None
+            # A sliding pool committed the chunks before its last one as it went.
+            done = pool.length - self._length
+            if not complete and done > 0:
+                self._broken = ("a forward stopped after sliding layer %d had committed %d of its tokens"
+                                % (pool.layers[0], done))
+                continue
+            pool.commit(n - done)
+            pool.pending = 0
         self._length += n
 
     def _abort(self):
@@ -365,6 +409,11 @@ class PagedKVCache(Cache):
             step.written.clear()
             self._settle()
 
+    def _check_usable(self):
+        if self._broken is not None:
+            raise RuntimeError("pagedkv.transformers.PagedKVCache: %s; its rows are no longer consistent: call "
+                               "reset()" % self._broken)
+
     # ---------------------------------------------------------------- Cache
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -372,11 +421,12 @@ class PagedKVCache(Cache):
             return self._update(key_states, value_states, layer_idx)
 
     def _update(self, key_states, value_states, layer_idx):
+        self._check_usable()
         impl = getattr(_text_config(self.config), "_attn_implementation", None)
         if impl != NAME:
             raise RuntimeError("pagedkv.transformers.PagedKVCache: the model runs attn_implementation=%r; a "
                                "PagedKVCache needs \"pagedkv\" (pagedkv.transformers.enable(), then load the model "
-                               "with attn_implementation=\"pagedkv\")" % (impl,))
+                               "with attn_implementation=\"pagedkv\" and pass its model.config)" % (impl,))
         if not 0 <= layer_idx < len(self.layers):
             raise RuntimeError("pagedkv.transformers.PagedKVCache: layer %d of a model with %d layers: the cache was "
                                "made for another model" % (layer_idx, len(self.layers)))
@@ -398,15 +448,15 @@ class PagedKVCache(Cache):
         step = self._step
         if step is not None and (len(step.written) == len(self.layers) or layer_idx in step.written):
             self._settle()  # the previous forward finished (or stopped half way): a new one starts
+            self._check_usable()
             step = None
         if step is not None and n_tokens != step.n_tokens:
             raise RuntimeError("pagedkv.transformers.PagedKVCache: layer %d gives %d new tokens, the layers before "
                                "it %d" % (layer_idx, n_tokens, step.n_tokens))
-        if self.pools[0].cache is None:
-            self._materialize(key_states)
         if step is None:
             fresh = not rows
             if fresh:
+                self._materialize(key_states, batch)
                 for pool in self.pools:
                     pool.rows = [pool.seqs.create() for _ in range(batch)]
             try:
@@ -417,14 +467,16 @@ class PagedKVCache(Cache):
                 raise
             step = self._step
         layer = self.layers[layer_idx]
-        pool = layer.pool
-        k = key_states.transpose(1, 2).to(device=self.device, dtype=self.dtype)
-        v = value_states.transpose(1, 2).to(device=self.device, dtype=self.dtype)
-        pool.cache.write(layer.local, pool.page_table, pool.starts, k, v)
+        if not layer.is_sliding:
+            pool = layer.pool
+            k = key_states.transpose(1, 2).to(device=self.device, dtype=self.dtype)
+            v = value_states.transpose(1, 2).to(device=self.device, dtype=self.dtype)
+            pool.cache.write(layer.local, pool.page_table, self._length, k, v)
+        # A sliding layer's K/V go to its pages in the attention call, chunk by chunk.
         step.written.add(layer_idx)
         # The handle rides on the returned tensors: the attention function
-        # finds this cache, layer and step on the key it receives, so models
-        # that run at once (nested generate, threads) never mix.
+        # finds this cache, layer and forward on the key it receives, so
+        # models that run at once (nested generate, threads) never mix.
         key_out, value_out = key_states.detach(), value_states.detach()
         key_out._pagedkv = (weakref.ref(self), layer_idx, step.serial)
         return key_out, value_out
@@ -436,52 +488,57 @@ class PagedKVCache(Cache):
                 for row in pool.rows:
                     pool.seqs.release(row)
                 pool.rows = []
-                pool.page_table = pool.starts = pool.view = None
+                pool.length = pool.pending = 0
+                pool.page_table = pool.view = None
+                if pool.window:  # sized for the batch: made again for the next one
+                    pool.cache = pool.seqs = None
             self._length = 0
+            self._broken = None
             self._modules = {}
 
     def crop(self, tokens_to_remove):
         """Drops the last -tokens_to_remove tokens (assisted decoding's rejected drafts)."""
         with self._lock:
+            self._check_usable()
             if tokens_to_remove > 0:
                 raise ValueError("pagedkv.transformers.PagedKVCache.crop: a positive value (%d) is not supported; pass "
                                  "minus the number of tokens to remove" % tokens_to_remove)
             drop = -tokens_to_remove
             step = self._step
-            pending = step.n_tokens if step is not None and len(step.written) == len(self.layers) else 0
+            complete = step is not None and len(step.written) == len(self.layers)
+            pending = step.n_tokens if complete else 0
             total = self._length + pending
             if drop > total:
                 raise ValueError("pagedkv.transformers.PagedKVCache.crop: %d tokens to remove; the cache holds %d"
                                  % (drop, total))
-            if drop <= pending:
+            # What each sliding layer has not committed yet (its last chunk) is all it can give back.
+            givable = min([pending] + [self._length + pending - p.length for p in self.pools if p.window])
+            if drop <= givable:
                 self._settle(keep=pending - drop)
                 return
-            if any(pool.window for pool in self.pools if pool.rows):
-                windows = [pool.window for pool in self.pools if pool.window]
-                raise ValueError("pagedkv.transformers.PagedKVCache.crop: %d tokens to remove, more than the last "
-                                 "forward wrote (%d): the sliding-window layers (window %s) no longer hold the "
-                                 "tokens before" % (drop, pending, windows))
+            if any(p.window for p in self.pools):
+                raise ValueError("pagedkv.transformers.PagedKVCache.crop: %d tokens to remove, more than the sliding "
+                                 "layers still hold uncommitted (%d): their tables freed what lies before their "
+                                 "window" % (drop, givable))
             self._settle()
             keep = self._length - drop
             for pool in self.pools:
                 for row in pool.rows:
                     pool.seqs.truncate(row, keep)
+                pool.length = keep
             self._length = keep
 
     def _remap(self, sources):
         """Rows become forks of the old rows `sources` (beam search, batch selection); pages are shared
         until a row writes into a shared one (copy-on-write)."""
+        self._check_usable()
+        n = len(self.pools[0].rows)
+        bad = [i for i in sources if not 0 <= i < n]
+        if bad:
+            raise IndexError("pagedkv.transformers.PagedKVCache: row %d of a batch of %d" % (bad[0], n))
         self._settle()
+        self._check_usable()
         for pool in self.pools:
-            if not pool.rows:
-                continue
-            old = pool.rows
-            bad = [i for i in sources if not 0 <= i < len(old)]
-            if bad:
-                raise IndexError("pagedkv.transformers.PagedKVCache: row %d of a batch of %d" % (bad[0], len(old)))
-        for pool in self.pools:
-            if not pool.rows:
-                continue
             old = pool.rows
             pool.rows = [pool.seqs.fork(old[i]) for i in sources]
             for row in old:
@@ -503,7 +560,7 @@ class PagedKVCache(Cache):
             self._remap([i for i in range(n) for _ in range(repeats)])
 
     def activate_past_recording(self, **kwargs):
-        pass  # the step in flight is committed lazily: crop needs no recording
+        pass  # the forward in flight is committed lazily: crop needs no recording
 
     def offload(self, layer_idx, only_non_sliding=True):
         pass
@@ -517,7 +574,7 @@ class PagedKVCache(Cache):
         step = self._step
         if step is None or step.serial != serial or layer_idx not in step.written:
             raise RuntimeError("pagedkv.transformers: attention ran on K/V from an update that is no longer the "
-                               "cache's step in flight (layer %d)" % layer_idx)
+                               "cache's forward in flight (layer %d)" % layer_idx)
         known = self._modules.get(layer_idx)
         if known is None or known() is None:
             self._modules[layer_idx] = weakref.ref(module)
@@ -527,10 +584,9 @@ class PagedKVCache(Cache):
                                "model)" % layer_idx)
         return self.layers[layer_idx]
 
-    def _gather(self, layer, first):
-        """K/V [B, H, T, D] of positions [first, length) of the step in flight."""
+    def _gather(self, layer, first, end):
+        """K/V [B, H, T, D] of positions [first, end) of the layer's pool (its chunk in flight mapped)."""
         pool = layer.pool
-        end = self._length + self._step.n_tokens
         col = first // self.page_size
         table = pool.page_table[:, col:]
         lengths = torch.full((len(pool.rows),), end - col * self.page_size, dtype=torch.long)
@@ -577,9 +633,8 @@ def _wants_attentions():
     return bool(collected) and "attentions" in collected
 
 
-def _fallback(module, query, key, value, mask, first_query, first_key, window, dropout, scaling, softcap, s_aux,
-              kwargs):
-    _count("fallback_calls")
+def _eager(module, query, key, value, mask, first_query, first_key, window, dropout, scaling, softcap, s_aux,
+           kwargs):
     if mask is None:
         mask = _causal_mask(query.shape[2], first_query, key.shape[2], first_key, window, query.dtype, query.device)
     else:
@@ -603,56 +658,41 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     handle = getattr(key, "_pagedkv", None)
     if handle is None:
         # Not a PagedKVCache's K/V (another cache, or none): transformers' attention on them as given.
+        _count("fallback_calls")
         first_query = key.shape[2] - query.shape[2]
-        return _fallback(module, query, key, value, attention_mask, first_query, 0, window, dropout, scaling,
-                         softcap, s_aux, kwargs)
+        return _eager(module, query, key, value, attention_mask, first_query, 0, window, dropout, scaling,
+                      softcap, s_aux, kwargs)
     cache_ref, layer_idx, serial = handle
     cache = cache_ref()
     if cache is None:
         raise RuntimeError("pagedkv.transformers: K/V of a PagedKVCache that no longer exists")
     with cache._lock:
         try:
-            return _paged(cache, module, query, attention_mask, layer_idx, serial, dropout, scaling, window, softcap,
-                          s_aux, kwargs)
+            return _paged(cache, module, query, key, value, attention_mask, layer_idx, serial, dropout, scaling,
+                          window, softcap, s_aux, kwargs)
         except BaseException:
             cache._abort()  # nothing of this forward stays in the cache
             raise
 
 
-def _paged(cache, module, query, attention_mask, layer_idx, serial, dropout, scaling, window, softcap, s_aux, kwargs):
-    layer = cache._handle_for(module, layer_idx, serial)
-    if layer.is_sliding and window != layer.sliding_window:
-        raise RuntimeError("pagedkv.transformers: layer %d attends with sliding_window=%r, but the cache keeps a "
-                           "window of %d tokens for it (a config that does not match the model?)"
-                           % (layer_idx, window or None, layer.sliding_window))
-    n_queries = query.shape[2]
-    length = cache._length
-    reason = None
+def _fallback_reason(module, attention_mask, dropout, window, softcap, s_aux):
     if attention_mask is not None:
-        reason = "mask"
-    elif _wants_attentions():
-        reason = "output_attentions"
-    elif dropout and module.training:
-        reason = "dropout"
-    else:
-        options = _kernel_supports()
-        if window and "window" not in options:
-            reason = "window"
-        elif softcap and "softcap" not in options:
-            reason = "softcap"
-        elif s_aux is not None and "sinks" not in options:
-            reason = "sinks"
-    if reason is not None:
-        first = max(length - window + 1, 0) if window else 0
-        if layer.is_sliding:
-            first = max(length - layer.sliding_window + 1, 0)
-        key, value = cache._gather(layer, first)
-        if attention_mask is not None and attention_mask.shape[-1] == length + n_queries and first > 0:
-            attention_mask = attention_mask[..., first:]  # a mask over every position, as a caller may give
-        return _fallback(module, query, key, value, attention_mask, length, first, window, dropout, scaling,
-                         softcap, s_aux, kwargs)
-    _count("kernel_calls")
-    pool = layer.pool
+        return "mask"
+    if _wants_attentions():
+        return "output_attentions"
+    if dropout and module.training:
+        return "dropout"
+    options = _kernel_supports()
+    if window and "window" not in options:
+        return "window"
+    if softcap and "softcap" not in options:
+        return "softcap"
+    if s_aux is not None and "sinks" not in options:
+        return "sinks"
+    return None
+
+
+def _kernel(cache, layer, query, scaling, window, softcap, s_aux):
     q = query.transpose(1, 2).to(cache.dtype)
     options = {}
     if window:
@@ -661,8 +701,62 @@ def _paged(cache, module, query, attention_mask, layer_idx, serial, dropout, sca
         options["softcap"] = float(softcap)
     if s_aux is not None:
         options["sinks"] = s_aux.detach().to(device=cache.device, dtype=torch.float32)
-    out = pagedkv.paged_attention(pool.view, layer.local, q, float(scaling), **options)
-    return out.to(query.dtype), None
+    out = pagedkv.paged_attention(layer.pool.view, layer.local, q, float(scaling), **options)
+    return out.to(query.dtype)
+
+
+def _paged(cache, module, query, key, value, attention_mask, layer_idx, serial, dropout, scaling, window, softcap,
+           s_aux, kwargs):
+    layer = cache._handle_for(module, layer_idx, serial)
+    if layer.is_sliding and window != layer.sliding_window:
+        raise RuntimeError("pagedkv.transformers: layer %d attends with sliding_window=%r, but the cache keeps a "
+                           "window of %d tokens for it (a config that does not match the model?)"
+                           % (layer_idx, window or None, layer.sliding_window))
+    reason = _fallback_reason(module, attention_mask, dropout, window, softcap, s_aux)
+    _count("kernel_calls" if reason is None else "fallback_calls")
+    n_queries = query.shape[2]
+    base = cache._length  # positions [base, base + n_queries) are this forward's
+    end = base + n_queries
+    # A mask's columns are the last positions up to `end` (transformers' kv_offset, or all of them).
+    mask_first = end - attention_mask.shape[-1] if attention_mask is not None else 0
+    if not layer.is_sliding:
+        if reason is None:
+            return _kernel(cache, layer, query, scaling, window, softcap, s_aux), None
+        first = max(base - window + 1, 0) if window else 0
+        key, value = cache._gather(layer, first, end)
+        mask = attention_mask[..., first - mask_first:] if attention_mask is not None else None
+        return _eager(module, query, key, value, mask, base, first, window, dropout, scaling, softcap, s_aux, kwargs)
+    pool = layer.pool
+    chunk = cache._chunk(pool)
+    outputs, weights = [], None
+    for start in range(0, n_queries, chunk):
+        stop = min(start + chunk, n_queries)
+        if pool.pending:  # the chunk before: its tokens are in, its queries done
+            pool.commit(pool.pending)
+            pool.pending = 0
+        if not pool.reserve(stop - start):
+            raise RuntimeError("pagedkv.transformers.PagedKVCache: sliding layer %d's pool is short of pages "
+                               "(%d free of %d)" % (layer_idx, pool.cache.n_free(), pool.cache.n_pages))
+        k = key[:, :, start:stop].transpose(1, 2).to(device=cache.device, dtype=cache.dtype)
+        v = value[:, :, start:stop].transpose(1, 2).to(device=cache.device, dtype=cache.dtype)
+        pool.cache.write(0, pool.page_table, pool.length, k, v)
+        pool.pending = stop - start
+        q = query[:, :, start:stop]
+        if reason is None:
+            outputs.append(_kernel(cache, layer, q, scaling, window, softcap, s_aux))
+            continue
+        q_first = base + start
+        first = max(q_first - window + 1, 0)
+        kk, vv = cache._gather(layer, first, base + stop)
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask[:, :, start:stop, first - mask_first:base + stop - mask_first]
+        out, weights = _eager(module, q, kk, vv, mask, q_first, first, window, dropout, scaling, softcap, s_aux,
+                              kwargs)
+        outputs.append(out)
+    if len(outputs) > 1:
+        weights = None  # a chunk's weights cover its own keys only
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), weights
 
 
 def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function, attention_mask=None,

@@ -131,6 +131,21 @@ def test_every_family_runs_the_kernel_where_this_build_can():
         assert pkt.missing_kernel_options(paged_config(family)) == set()
 
 
+@pytest.mark.parametrize("family,padded", [("gemma3_text", False), ("qwen2", True), ("gpt_oss", False)])
+def test_sliding_layers_attend_a_long_prompt_in_chunks(family, padded, monkeypatch):
+    """A sliding layer writes and attends a forward WINDOW queries at a time, its table freeing what leaves
+    the window between chunks: its pool holds a window and a chunk, however long the prompt."""
+    monkeypatch.setattr(pkt, "SLIDING_CHUNK", 1)  # chunks of WINDOW: a 20-token prompt takes 3
+    ids = prompt(batch=2, seed=11)
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[1, :9], mask[1, :9] = 0, 0
+    cache, _ = compare(family, ids, attention_mask=mask, cache_args=dict(page_size=2))
+    for pool in cache.pools:
+        if pool.window:
+            assert pool.cache.n_pages == 2 * (-(-(2 * WINDOW - 1) // 2) + 2)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_left_padded_batch_falls_back_and_matches(family):
     ids = prompt(batch=2, seed=4)
