@@ -9,7 +9,7 @@ pagedkv's pages and attention kernel.
 
 Two hooks of transformers carry it: ``PagedKVCache`` (a ``Cache``) keeps K and
 V in ``pagedkv.PagedCache`` pages only (one pool for the full-attention
-layers, one per sliding window whose ``SequenceTable`` keeps only the
+layers, one per sliding layer whose ``SequenceTable`` keeps only the
 window), and the attention function registered as "pagedkv" runs
 ``pagedkv.paged_attention`` on them. A call the kernel cannot take (a padded
 batch's mask, ``output_attentions``, an option this build's kernel lacks)
