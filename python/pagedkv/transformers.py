@@ -238,9 +238,10 @@ class _PagedLayer(CacheLayerMixin):
         pass
 
 
-# A sliding layer attends a forward in chunks of max(window, this) queries;
-# a forward of at most this many tokens (decode, draft verification) is one
-# chunk, which crop can take back.
+# A sliding layer attends a forward in chunks of this many queries, so its
+# pool holds window - 1 + SLIDING_CHUNK tokens per row at most; a forward of
+# at most this many tokens (decode, draft verification) is one chunk, which
+# crop can take back whole.
 SLIDING_CHUNK = 256
 
 
@@ -327,8 +328,6 @@ class PagedKVCache(Cache):
 
     # ---------------------------------------------------------------- storage
 
-    def _chunk(self, pool):
-        return max(pool.window, SLIDING_CHUNK)
 
     def _materialize(self, key_states, batch):
         """The pools' storage, made at the first update: the model's device and dtype unless given."""
@@ -343,7 +342,7 @@ class PagedKVCache(Cache):
             if pool.window:
                 # What a chunk's queries see, [start - window + 1, start + chunk), plus one page per row that
                 # copy-on-write takes when beams share the last page: never short.
-                span = pool.window - 1 + self._chunk(pool)
+                span = pool.window - 1 + SLIDING_CHUNK
                 n_pages = batch * (-(-span // self.page_size) + 2)
             else:
                 n_pages = self.n_pages
@@ -727,7 +726,7 @@ def _paged(cache, module, query, key, value, attention_mask, layer_idx, serial, 
         mask = attention_mask[..., first - mask_first:] if attention_mask is not None else None
         return _eager(module, query, key, value, mask, base, first, window, dropout, scaling, softcap, s_aux, kwargs)
     pool = layer.pool
-    chunk = cache._chunk(pool)
+    chunk = SLIDING_CHUNK
     outputs, weights = [], None
     for start in range(0, n_queries, chunk):
         stop = min(start + chunk, n_queries)

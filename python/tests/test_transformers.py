@@ -133,9 +133,9 @@ def test_every_family_runs_the_kernel_where_this_build_can():
 
 @pytest.mark.parametrize("family,padded", [("gemma3_text", False), ("qwen2", True), ("gpt_oss", False)])
 def test_sliding_layers_attend_a_long_prompt_in_chunks(family, padded, monkeypatch):
-    """A sliding layer writes and attends a forward WINDOW queries at a time, its table freeing what leaves
+    """A sliding layer writes and attends a forward SLIDING_CHUNK queries at a time, its table freeing what leaves
     the window between chunks: its pool holds a window and a chunk, however long the prompt."""
-    monkeypatch.setattr(pkt, "SLIDING_CHUNK", 1)  # chunks of WINDOW: a 20-token prompt takes 3
+    monkeypatch.setattr(pkt, "SLIDING_CHUNK", WINDOW)  # a 20-token prompt takes 3 chunks
     ids = prompt(batch=2, seed=11)
     mask = torch.ones_like(ids)
     if padded:
