@@ -299,3 +299,51 @@ def test_model_without_pagedkv_attention_is_refused():
     with pytest.raises(RuntimeError, match="attn_implementation='sdpa'"):
         generate(reference, prompt(), cache)
     assert cache.get_seq_length() == 0
+
+
+def forward(model, ids, cache):
+    with torch.no_grad():
+        return model(ids, cache=cache).logits
+
+
+def test_crop_deeper_than_a_forward_truncates_full_attention_tables():
+    config, reference, paged = models("llama")
+    ids = prompt(batch=2, seed=12)
+    dynamic = DynamicCache(config=config)
+    cache = pkt.PagedKVCache(paged.config, n_pages=64, page_size=3)
+    for chunk in (ids[:, :12], ids[:, 12:16], ids[:, 16:17]):
+        forward(reference, chunk, dynamic), forward(paged, chunk, cache)
+    dynamic.crop(-6), cache.crop(-6)  # the last two forwards and one token before them
+    assert cache.get_seq_length() == dynamic.get_seq_length() == 11
+    expected, got = forward(reference, ids[:, 11:15], dynamic), forward(paged, ids[:, 11:15], cache)
+    assert (expected - got).abs().max().item() <= TOL
+    for pool in cache.pools:
+        pool.seqs.check()
+
+
+def test_crop_of_a_sliding_model_takes_back_the_last_forward_only():
+    _, _, paged = models("gemma3_text")
+    ids = prompt(batch=1, seed=13)
+    cache = pkt.PagedKVCache(paged.config, n_pages=64, page_size=3)
+    forward(paged, ids[:, :16], cache)
+    forward(paged, ids[:, 16:19], cache)
+    with pytest.raises(ValueError, match="more than the sliding layers still hold uncommitted"):
+        cache.crop(-4)
+    assert cache.get_seq_length() == 19
+    cache.crop(-2)
+    assert cache.get_seq_length() == 17
+    reference = pkt.PagedKVCache(paged.config, n_pages=64, page_size=3)
+    forward(paged, ids[:, :17], reference)
+    assert (forward(paged, ids[:, 17:18], cache) - forward(paged, ids[:, 17:18], reference)).abs().max() <= TOL
+
+
+def test_a_stale_handle_is_refused():
+    _, _, paged = models("llama")
+    cache = pkt.PagedKVCache(paged.config, n_pages=64, page_size=4)
+    attention = paged.model.layers[0].self_attn
+    key = torch.randn(1, 2, 3, 16)
+    old_key, old_value = cache.update(key, key, 0)
+    cache.update(key, key, 0)  # layer 0 again: a new forward, the first one's handle is stale
+    query = torch.randn(1, 4, 3, 16)
+    with pytest.raises(RuntimeError, match="no longer the cache's forward in flight"):
+        pkt.attention(attention, query, old_key, old_value, None, scaling=0.25)
