@@ -26,7 +26,8 @@ import pagedkv
 
 try:
     from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
-    from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, eager_mask, prepare_padding_mask
+    from transformers.masking_utils import (AttentionMaskInterface, causal_mask_function, eager_mask,
+                                            prepare_padding_mask)
     from transformers.modeling_utils import AttentionInterface
 except ImportError as error:  # pragma: no cover - what users without transformers see
     raise ImportError("pagedkv.transformers needs Hugging Face transformers 5.x (pip install 'transformers>=5'); "
@@ -758,8 +759,8 @@ def _paged(cache, module, query, key, value, attention_mask, layer_idx, serial, 
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), weights
 
 
-def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function, attention_mask=None,
-         allow_is_causal_skip=True, use_vmap=False, dtype=torch.float32, **kwargs):
+def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+         attention_mask=None, allow_is_causal_skip=True, use_vmap=False, dtype=torch.float32, **kwargs):
     """The "pagedkv" mask: None where the kernel's own causal (and window) masking is the mask (no padding
     in the keys' range, no custom pattern); otherwise transformers' eager mask, for the fallback."""
     plain = allow_is_causal_skip and not use_vmap

@@ -79,8 +79,8 @@ def assert_same_generation(reference, paged, greedy=True, tol=TOL):
         for step, logits in enumerate(reference.logits):
             top2 = logits.float().topk(2, dim=-1).values
             margin = (top2[:, 0] - top2[:, 1]).min().item()
-            assert margin > MARGIN, "step %d: the reference's top-2 logits are %.2g apart (a near tie: change the seed)" \
-                % (step, margin)
+            assert margin > MARGIN, "step %d: the reference's top-2 logits are %.2g apart (a near tie: change " \
+                "the seed)" % (step, margin)
     assert paged.sequences.tolist() == reference.sequences.tolist()
     assert len(paged.logits) == len(reference.logits)
     for step, (a, b) in enumerate(zip(reference.logits, paged.logits)):
