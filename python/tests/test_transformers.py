@@ -205,6 +205,20 @@ def test_quantized_pages_match_the_same_rounding(kv_format):
     assert_same_generation(expected, generate(paged, ids, cache), tol=1e-2)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_float16_pages(family):
+    """The soft-cap and sinks families in float16, HND pages: transformers' float16 run's tokens."""
+    config, reference, paged = models(family)
+    reference, paged = copy.deepcopy(reference).half(), copy.deepcopy(paged).half()
+    ids = prompt(batch=2, seed=3)
+    expected = generate(reference, ids, DynamicCache(config=config), max_new_tokens=4)
+    pkt.reset_stats()
+    got = generate(paged, ids, pkt.PagedKVCache(paged.config, n_pages=64, page_size=4, layout="HND"),
+                   max_new_tokens=4)
+    assert_same_generation(expected, got, tol=5e-2)  # float16 logits: 11 significant bits
+    assert pkt.stats()["fallback_calls"] == 0
+
+
 def test_output_attentions_falls_back():
     config, reference, paged = models("llama")
     ids = prompt(batch=1, seed=8)
