@@ -5,17 +5,22 @@
       python3 bench/llama_speculate.py --llama build/examples/llama/llama [--speculate 4] [--threads 2]
 
 Builds the random ~100M Llama of bench/llama_vs_transformers.py
-(make_tiny_model.py --preset bench, float32) and serves two workloads of N
-requests, P prompt tokens and G new tokens each (default 8 x 256, 64):
+(make_tiny_model.py --preset bench, float32) and serves N requests of P
+random prompt tokens and G new tokens each (default 8 x 256, 64), on two
+models of that shape and cost:
 
-  repeating   each prompt is one random 32-token phrase repeated: prompt
-              lookup drafts its next 32 tokens from the prompt; a random
-              model's greedy continuation of such a prompt mostly repeats
-              it too, so drafts are often accepted (this stands in for
-              requests that quote their prompt: code edits, summaries that
-              copy spans, which a random model cannot be asked to do)
-  random      uniform random prompts: drafts come only from the model's own
-              output, and are rarely accepted
+  copying     the model with every layer's o_proj and down_proj zeroed: the
+              layers still compute everything (the same FLOPs and weight
+              bytes) but add nothing to the residual, so the next token is
+              the one whose embedding best matches the current one, itself:
+              the output repeats its last token, prompt lookup drafts that
+              repetition, and every draft is accepted. This stands in for
+              requests that quote their prompt (code edits, summaries that
+              copy spans), which a random model cannot be asked to do: it
+              measures what verification gains when drafts hit.
+  random      the random model itself: its greedy output neither copies nor
+              soon repeats, so prompt lookup rarely finds a draft: what
+              --speculate costs when drafts miss.
 
 Each is served with max_new_tokens 1 and G, with and without --speculate K;
 decode tokens/s = N x (G - 1) / (t(G) - t(1)) from --stats' serve_seconds
@@ -35,14 +40,27 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import make_tiny_model  # noqa: E402
 
 
-def workloads(n, length, vocab, seed):
+def prompts(n, length, vocab, seed):
     rng = random.Random(seed)
-    repeating = []
-    for _ in range(n):
-        phrase = [rng.randrange(vocab) for _ in range(32)]
-        repeating.append((phrase * (length // 32 + 1))[:length])
-    random_prompts = [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
-    return {"repeating": repeating, "random": random_prompts}
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def make_models(preset, work):
+    """{"copying": dir, "random": dir}: the preset's random model, and the same with every layer's output
+    projections zeroed."""
+    dirs = {name: os.path.join(work, f"model-{preset}-{name}") for name in ("copying", "random")}
+    if all(os.path.exists(os.path.join(d, "config.json")) for d in dirs.values()):
+        return dirs
+    import torch
+
+    make_tiny_model.save(make_tiny_model.build_model(preset, 0), preset, dirs["random"])
+    model = make_tiny_model.build_model(preset, 0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    make_tiny_model.save(model, preset, dirs["copying"])
+    return dirs
 
 
 def serve(llama, model_dir, work, name, prompts, new_tokens, threads, extra):
@@ -77,17 +95,16 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
-    model_dir = os.path.join(a.work, "model-" + a.preset)
-    if not os.path.exists(os.path.join(model_dir, "config.json")):
-        make_tiny_model.save(make_tiny_model.build_model(a.preset, 0), a.preset, model_dir)
-    vocab = make_tiny_model.PRESETS[a.preset]["vocab_size"]
+    models = make_models(a.preset, a.work)
+    requests = prompts(a.requests, a.prompt, make_tiny_model.PRESETS[a.preset]["vocab_size"], 1)
     rows = []
-    for name, prompts in workloads(a.requests, a.prompt, vocab, 1).items():
+    for name, model_dir in models.items():
         times, outputs = {}, {}
         for spec in (0, a.speculate):
             extra = ["--speculate", str(spec)] if spec else []
             for new in (1, a.new):
-                s, tokens = serve(a.llama, model_dir, a.work, f"{name}-k{spec}-g{new}", prompts, new, a.threads, extra)
+                s, tokens = serve(a.llama, model_dir, a.work, f"{name}-k{spec}-g{new}", requests, new, a.threads,
+                                  extra)
                 times[(spec, new)] = s
                 outputs[(spec, new)] = tokens
         if outputs[(0, a.new)] != outputs[(a.speculate, a.new)]:
