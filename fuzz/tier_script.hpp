@@ -4,7 +4,8 @@
 // device pool of 2-12 pages, a vocabulary of 2-4 token ids so that prompts
 // share prefixes, tiers: host memory and a directory, host memory alone or
 // the directory alone, each with a budget of a few entries; the directory's
-// budget ample for some inputs) and a script of: requests (acquire, prefill
+// budget ample for some inputs; after them a server's tier when the caller
+// gives one: tests/test_redis_store.cpp) and a script of: requests (acquire, prefill
 // of the rest of the prompt, insert; the sequence kept or released, so that
 // the pool runs short and allocations evict), releases, evict, clear,
 // persist, restarts (a new engine over the same directory, after persist()
@@ -47,6 +48,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -69,6 +71,7 @@ struct TierSummary {
   int64_t restarts = 0;
   int64_t corruptions = 0;   // files damaged
   int64_t drops = 0;         // entries the last tier dropped
+  int64_t last_tier_loaded_pages = 0;  // pages acquire loaded from the last tier
 };
 
 struct TierOptions {
@@ -80,6 +83,11 @@ struct TierOptions {
   int formats = -1;  // index into tier_detail::kFormats
   int tiers = -1;    // 0 host + disk, 1 host, 2 disk
   int ample_disk = -1;  // 0 a budget of a few entries, 1 one nothing fills
+  /// A last tier that outlives restarts (a server; tests/test_redis_store.cpp
+  /// passes a redis_store), made anew for each engine, and the entries it holds
+  /// once its queued writes are done. It must keep everything (no budget).
+  std::function<std::shared_ptr<pagedkv::PageStore>()> remote;
+  std::function<int64_t(pagedkv::PageStore&)> remote_entries;
 };
 
 namespace tier_detail {
@@ -165,7 +173,8 @@ class Runner {
         quant_(quant),
         use_host_(tiers != 2),
         use_disk_(tiers != 1),
-        ample_disk_(ample_disk) {
+        ample_disk_(ample_disk),
+        remote_name_(options.remote ? options.remote()->tier() : std::string()) {
     const int64_t entry = static_cast<int64_t>(geometry().entry_bytes(2 * page_size_));
     host_budget_ = entry * in.range(1, 6);
     disk_budget_ = ample_disk_ ? int64_t{1} << 40 : entry * in.range(1, 8);
@@ -182,6 +191,7 @@ class Runner {
     live_.clear();
     engine_->prefix.clear();
     verify();
+    count_last_tier_loads();
     if (engine_->prefix.n_cached() != 0) fail("clear() left ", engine_->prefix.n_cached(), " pages cached");
     return summary_;
   }
@@ -192,19 +202,21 @@ class Runner {
     pagedkv::SequenceTable<L> seqs;
     std::shared_ptr<pagedkv::HostStore> host;
     std::shared_ptr<pagedkv::DiskStore> disk;
+    std::shared_ptr<pagedkv::PageStore> remote;
     pagedkv::PrefixCache<L> prefix;
     Engine(int64_t n_pages, int64_t page_size, pagedkv::KVQuant quant, std::shared_ptr<pagedkv::HostStore> h,
-           std::shared_ptr<pagedkv::DiskStore> d)
+           std::shared_ptr<pagedkv::DiskStore> d, std::shared_ptr<pagedkv::PageStore> r)
         : cache(kLayers, n_pages, page_size, kHeads, kDim, at::TensorOptions().dtype(at::kFloat), quant),
           seqs(cache),
           host(std::move(h)),
           disk(std::move(d)),
-          prefix(seqs, stores(host, disk)) {}
-    static std::vector<std::shared_ptr<pagedkv::PageStore>> stores(const std::shared_ptr<pagedkv::HostStore>& h,
-                                                                   const std::shared_ptr<pagedkv::DiskStore>& d) {
+          remote(std::move(r)),
+          prefix(seqs, stores()) {}
+    std::vector<std::shared_ptr<pagedkv::PageStore>> stores() const {
       std::vector<std::shared_ptr<pagedkv::PageStore>> all;
-      if (h) all.push_back(h);
-      if (d) all.push_back(d);
+      if (host) all.push_back(host);
+      if (disk) all.push_back(disk);
+      if (remote) all.push_back(remote);
       return all;
     }
   };
@@ -213,7 +225,7 @@ class Runner {
     return pagedkv::page_store::Geometry{kLayers, page_size_, kHeads, kDim, at::kFloat, quant_};
   }
   int64_t entry_bytes(int64_t n_tokens) const { return static_cast<int64_t>(geometry().entry_bytes(n_tokens)); }
-  std::string last_tier() const { return use_disk_ ? "disk" : "host"; }
+  std::string last_tier() const { return !remote_name_.empty() ? remote_name_ : use_disk_ ? "disk" : "host"; }
 
   void trace(const std::string& what) const {
     if (options_.trace) std::fprintf(stderr, "%s\n", what.c_str());
@@ -222,7 +234,8 @@ class Runner {
   void start() {
     auto host = use_host_ ? std::make_shared<pagedkv::HostStore>(host_budget_) : nullptr;
     auto disk = use_disk_ ? std::make_shared<pagedkv::DiskStore>(dir_.path, disk_budget_) : nullptr;
-    engine_ = std::make_unique<Engine>(n_pages_, page_size_, quant_, host, disk);
+    engine_ = std::make_unique<Engine>(n_pages_, page_size_, quant_, host, disk,
+                                       options_.remote ? options_.remote() : nullptr);
     engine_->prefix.set_event_listener([this](const pagedkv::PrefixEvent& e) { on_event(e); });
   }
 
@@ -240,14 +253,22 @@ class Runner {
     if (e.type == pagedkv::PrefixEvent::Type::stored) {
       if (e.tier == "device" && held.count(e.hash) != 0) event_failure("the device stored a page twice");
       held[e.hash] = e.n_tokens;
-      if (e.tier == "disk") corrupt_.erase(e.hash);  // a new file replaced the damaged one
+      // A damaged entry the directory pushed out is damaged in the next tier too.
+      const bool moved_damaged = moving_damaged_ == e.hash && e.tier == remote_name_;
+      if (moved_damaged) {
+        corrupt_[e.tier].insert(e.hash);
+      } else {
+        corrupt_[e.tier].erase(e.hash);  // a new entry replaced the damaged one
+      }
+      moving_damaged_ = 0;
     } else {
       if (held.erase(e.hash) != 1) event_failure("removed from ", e.tier, " what it did not hold");
       if (e.tier != "device") removed_now_.insert(e.hash);
       if (e.tier == last_tier()) ++summary_.drops;
-      if (e.tier == last_tier() && e.tier == "disk" && ample_disk_ && corrupt_.count(e.hash) == 0)
-        event_failure("a disk of ample budget dropped an intact entry");
-      if (e.tier == "disk") corrupt_.erase(e.hash);
+      const bool ample = e.tier == remote_name_ || (e.tier == "disk" && ample_disk_);
+      if (e.tier == last_tier() && ample && corrupt_[e.tier].count(e.hash) == 0)
+        event_failure("a last tier without a budget to keep (", e.tier, ") dropped an intact entry");
+      moving_damaged_ = corrupt_[e.tier].erase(e.hash) != 0 ? e.hash : 0;
     }
   }
 
@@ -264,9 +285,21 @@ class Runner {
     const auto it = tiers_.find(tier);
     return it != tiers_.end() && it->second.count(h) != 0;
   }
-  /// Whether a lookup of page h finds it: on the device, in host memory, or in an intact file.
+  /// Whether a lookup of page h finds it: some tier holds an intact entry of it.
   bool available(uint64_t h) const {
-    return held_by("device", h) || held_by("host", h) || (held_by("disk", h) && corrupt_.count(h) == 0);
+    for (const auto& t : tiers_) {
+      if (t.second.count(h) == 0) continue;
+      const auto damaged = corrupt_.find(t.first);
+      if (damaged == corrupt_.end() || damaged->second.count(h) == 0) return true;
+    }
+    return false;
+  }
+  /// Whether some tier holds page h at all (intact or not).
+  bool held_anywhere(uint64_t h) const {
+    for (const auto& t : tiers_) {
+      if (t.second.count(h) != 0) return true;
+    }
+    return false;
   }
 
   std::vector<int64_t> random_tokens(int64_t n) {
@@ -323,7 +356,7 @@ class Runner {
     int64_t want = on_device;
     while (want < cap_pages && available(chain[static_cast<size_t>(want)].first)) ++want;
     // A corrupt file the lookup will meet: a warning and a miss.
-    const bool meets_corrupt = want < cap_pages && held_by("disk", chain[static_cast<size_t>(want)].first);
+    const bool meets_corrupt = want < cap_pages && held_anywhere(chain[static_cast<size_t>(want)].first);
     if (e.prefix.peek(ids_tensor(prompt), salt) != on_device * page_size_)
       fail("peek matched ", e.prefix.peek(ids_tensor(prompt), salt) / page_size_, " pages, the device holds ",
            on_device);
@@ -374,6 +407,8 @@ class Runner {
     }
   }
 
+  void count_last_tier_loads() { summary_.last_tier_loaded_pages += engine_->prefix.stats().tiers.back().loaded_pages; }
+
   /// Restarts the engine over the same directory: after persist(), or as
   /// after a crash (the device and host memory are lost without events).
   void restart(bool persist) {
@@ -386,6 +421,7 @@ class Runner {
     }
     trace(persist ? "restart after persist" : "restart as after a crash");
     ++summary_.restarts;
+    count_last_tier_loads();
     engine_.reset();  // the disk store writes what it queued
     tiers_["device"].clear();
     tiers_["host"].clear();
@@ -401,7 +437,7 @@ class Runner {
     auto it = tiers_["disk"].begin();
     std::advance(it, in_.range(0, static_cast<int64_t>(tiers_["disk"].size()) - 1));
     const uint64_t h = it->first;
-    if (corrupt_.count(h) != 0) return;  // damaged already (maybe truncated to its header)
+    if (corrupt_["disk"].count(h) != 0) return;  // damaged already (maybe truncated to its header)
     const std::string path = dir_.path + "/" + pagedkv::PageKey{pages_.at(h).key}.name() + ".pkv";
     std::error_code ec;
     const auto size = static_cast<int64_t>(std::filesystem::file_size(path, ec));
@@ -417,7 +453,7 @@ class Runner {
     } else {
       std::filesystem::resize_file(path, static_cast<uintmax_t>(in_.range(kHeader, size - 1)));
     }
-    corrupt_.insert(h);
+    corrupt_["disk"].insert(h);
     ++summary_.corruptions;
     trace("corrupt the file of a page of " + std::to_string(it->second) + " tokens");
   }
@@ -476,10 +512,15 @@ class Runner {
     if (use_disk_) {
       // A truncated file counts its new size once a restart lists the directory.
       if (e.disk->n_entries() != static_cast<int64_t>(tiers_["disk"].size()) ||
-          (corrupt_.empty() && e.disk->bytes() != bytes_of("disk")))
+          (corrupt_["disk"].empty() && e.disk->bytes() != bytes_of("disk")))
         fail("the directory holds ", e.disk->n_entries(), " entries of ", e.disk->bytes(), " bytes, the events say ",
              tiers_["disk"].size(), " of ", bytes_of("disk"));
       if (e.disk->bytes() > disk_budget_) fail("the directory is over its budget");
+    }
+    if (e.remote && options_.remote_entries) {
+      const int64_t n = options_.remote_entries(*e.remote);
+      if (n != static_cast<int64_t>(tiers_[remote_name_].size()))
+        fail("the ", remote_name_, " tier holds ", n, " entries, the events say ", tiers_[remote_name_].size());
     }
   }
 
@@ -492,12 +533,14 @@ class Runner {
   bool use_host_;
   bool use_disk_;
   bool ample_disk_;
+  std::string remote_name_;  // empty: no remote tier
   int64_t host_budget_ = 0;
   int64_t disk_budget_ = 0;
   TempDir dir_;
   std::map<uint64_t, Page> pages_;                        // every page computed, by chained hash
   std::map<std::string, std::map<uint64_t, int64_t>> tiers_;  // tier -> hash -> tokens, from the events
-  std::set<uint64_t> corrupt_;                            // hashes whose file this script damaged
+  std::map<std::string, std::set<uint64_t>> corrupt_;  // tier -> hashes of damaged entries (files, what they moved to)
+  uint64_t moving_damaged_ = 0;  // a damaged entry the last event removed from the directory
   std::set<uint64_t> removed_now_;                        // removed from a tier during the current acquire
   std::string event_failure_;
   std::vector<int64_t> live_;
