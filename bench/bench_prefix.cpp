@@ -431,6 +431,7 @@ void register_restores() {
   const auto manual = [](const std::string& name, std::function<void(benchmark::State&, const std::string&)> fn) {
     benchmark::RegisterBenchmark(name.c_str(), [fn, name](benchmark::State& state) { fn(state, name); })
         ->UseManualTime()
+        ->MinTime(0.5)  // a restore is 10-150 ms: the suite's 0.1 s would time 1-7 of them
         ->Unit(benchmark::kMicrosecond);
   };
   const std::string p = "/P" + std::to_string(kTierPages);
