@@ -112,13 +112,16 @@ test-sanitize: deps
 	cmake --build --preset sanitize -j $(JOBS)
 	ctest --preset sanitize -j $(JOBS)
 
-# libFuzzer on the six harnesses (fuzz/), each FUZZ_SECONDS
+# libFuzzer on the seven harnesses (fuzz/), each FUZZ_SECONDS
 # long: fuzz_paged_cache from the committed seeds in fuzz/corpus/ (new inputs
 # go to fuzz/corpus-run/, a crashing input to build-fuzz/crash-*), then
 # fuzz_sequences (SequenceTable) from fuzz/corpus-sequences/ (new inputs go to
 # fuzz/corpus-sequences-run/, a crashing input to build-fuzz/sequences-crash-*),
 # then fuzz_prefix (PrefixCache) from fuzz/corpus-prefix/ (new inputs go to
 # fuzz/corpus-prefix-run/, a crashing input to build-fuzz/prefix-crash-*),
+# then fuzz_tiers (PrefixCache with host and disk tiers, restarts and
+# corrupt files) from fuzz/corpus-tiers/ (new inputs go to
+# fuzz/corpus-tiers-run/, a crashing input to build-fuzz/tiers-crash-*),
 # then fuzz_transfer (a receiver fed mutated transfer headers) from
 # fuzz/corpus-transfer/ (new inputs to fuzz/corpus-transfer-run/), then
 # examples/llama's readers: fuzz_safetensors (a safetensors file) from
@@ -130,7 +133,7 @@ fuzz:
 	@./scripts/install-deps $(FUZZ_PACKAGES)
 	cmake -S fuzz -B build-fuzz -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo
 	cmake --build build-fuzz -j $(JOBS)
-	mkdir -p fuzz/corpus-run fuzz/corpus-sequences-run fuzz/corpus-prefix-run fuzz/corpus-transfer-run \
+	mkdir -p fuzz/corpus-run fuzz/corpus-sequences-run fuzz/corpus-prefix-run fuzz/corpus-tiers-run fuzz/corpus-transfer-run \
 	  fuzz/corpus-safetensors-run fuzz/corpus-requests-run
 	build-fuzz/fuzz_paged_cache -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/ fuzz/corpus-run fuzz/corpus
@@ -138,6 +141,8 @@ fuzz:
 	  -artifact_prefix=build-fuzz/sequences- fuzz/corpus-sequences-run fuzz/corpus-sequences
 	build-fuzz/fuzz_prefix -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/prefix- fuzz/corpus-prefix-run fuzz/corpus-prefix
+	build-fuzz/fuzz_tiers -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \
+	  -artifact_prefix=build-fuzz/tiers- fuzz/corpus-tiers-run fuzz/corpus-tiers
 	build-fuzz/fuzz_transfer -max_total_time=$(FUZZ_SECONDS) -max_len=512 -timeout=30 -print_final_stats=1 \
 	  -artifact_prefix=build-fuzz/transfer- fuzz/corpus-transfer-run fuzz/corpus-transfer
 	build-fuzz/fuzz_safetensors -max_total_time=$(FUZZ_SECONDS) -max_len=4096 -timeout=30 -print_final_stats=1 \

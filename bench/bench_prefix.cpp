@@ -13,18 +13,53 @@
 // it); the bookkeeping that restores the state (release of the acquired
 // sequence, a new sequence to insert, eviction back to 100k cached pages)
 // runs outside the timing.
+//
+// Restores from the prefix tiers (issue 53): a 48-page prefix of a cache of
+// 16 layers, 8 kv heads of 128, bfloat16, pages of 16 tokens (1 MiB of K/V
+// per page), evicted into one tier (clear(), then the store's flush(),
+// untimed), then loaded back by acquire (timed: every entry read, verified
+// and copied into its page), beside the limit of the same bytes in the same
+// run:
+//   prefix_restore/host/P48/{memcpy,pagedkv}       host_store; memcpy of the entries' bytes
+//   prefix_restore/disk/P48/{reference,pagedkv}    disk_store in a temporary directory;
+//                                                  reference: open + read() + close of each
+//                                                  entry's file into a pre-faulted buffer
+//                                                  (the page cache is warm for both)
+//   prefix_restore/redis/P48/{reference,pagedkv}   redis_store on a redis-server the suite
+//                                                  starts on 127.0.0.1 (a free port);
+//                                                  reference: one raw hiredis GET per entry
+// The redis rows exist when the suite is built with hiredis (pagedkv::redis)
+// and redis-server is found; a server that does not start skips them with an
+// error row. x_memcpy / x_faster_ref: the restore against its limit (a
+// reference time over pagedkv's: 0.5 = half the limit's speed).
 #include <benchmark/benchmark.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench_support.hpp"
 #include "pagedkv/pagedkv.hpp"
+
+#if defined(PAGEDKV_BENCH_REDIS)
+#include <arpa/inet.h>
+#include <hiredis/hiredis.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include "pagedkv/stores/redis.hpp"
+#endif
 
 namespace {
 
@@ -149,6 +184,285 @@ void evict(benchmark::State& state) {
   timer.report(state, kPromptPages);
 }
 
+// ---- restores from the tiers ----
+
+constexpr int64_t kTierPages = 48;
+
+/// A pool holding one 48-page prompt of random K/V, a prefix cache over one
+/// tier, and what the limits need.
+struct TierFixture {
+  explicit TierFixture(std::shared_ptr<pagedkv::PageStore> tier)
+      : cache(16, kTierPages + 8, kPageSize, 8, 128, at::TensorOptions().dtype(at::kBFloat16)),
+        table(cache),
+        store(std::move(tier)),
+        prefix(table, {store}),
+        prompt(at::randint(1, 32000, {kTierPages * kPageSize + 1}, at::kLong)) {
+    cache.k_cache().uniform_(-4, 4);
+    cache.v_cache().uniform_(-4, 4);
+    const int64_t s = table.create();
+    TORCH_CHECK(table.prepare_append(s, prompt.size(0)), "bench: pool too small");
+    table.commit_append(s, prompt.size(0));
+    prefix.insert(s, prompt);
+    table.release(s);
+    evict();
+    const auto g = pagedkv::page_store::Geometry::of(cache);
+    for (int64_t j = 1; j <= kTierPages; ++j) bytes += static_cast<int64_t>(g.entry_bytes(j * kPageSize));
+  }
+
+  /// Every page of the prompt out of the pool and in the tier (written, for a disk or a server).
+  void evict() {
+    prefix.clear();
+    if (auto* disk = dynamic_cast<pagedkv::DiskStore*>(store.get())) disk->flush();
+#if defined(PAGEDKV_BENCH_REDIS)
+    if (auto* redis = dynamic_cast<pagedkv::stores::RedisStore*>(store.get())) redis->flush();
+#endif
+  }
+
+  PagedCache<NHD> cache;
+  SequenceTable<NHD> table;
+  std::shared_ptr<pagedkv::PageStore> store;
+  PrefixCache<NHD> prefix;
+  at::Tensor prompt;
+  int64_t bytes = 0;  // the entries' bytes: what a restore reads
+};
+
+/// Manual-time loop: `timed` per iteration, `untimed` after it; records the
+/// time per iteration and the ratio counters (bench_support.hpp's convention).
+template <class Timed, class Untimed>
+void tier_loop(benchmark::State& state, const std::string& name, int64_t bytes, Timed&& timed, Untimed&& untimed) {
+  const auto [case_name, variant] = split_name(name);
+  ScopedThreads threads(threads_for(name));
+  timed();  // warm-up
+  untimed();
+  double total = 0;
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    timed();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    state.SetIterationTime(s);
+    total += s;
+    untimed();
+  }
+  const double per_iter = total / static_cast<double>(std::max<int64_t>(1, state.iterations()));
+  state.SetBytesProcessed(state.iterations() * bytes);
+  state.counters["bytes"] = static_cast<double>(bytes);
+  state.counters["threads"] = at::get_num_threads();
+  auto& times = recorded_times();
+  times[std::make_pair(case_name, variant)] = per_iter;
+  if (variant != "pagedkv") return;
+  const auto memcpy_time = times.find(std::make_pair(case_name, std::string("memcpy")));
+  if (memcpy_time != times.end()) state.counters["x_memcpy"] = per_iter / memcpy_time->second;
+  const auto reference = times.find(std::make_pair(case_name, std::string("reference")));
+  if (reference != times.end()) state.counters["x_faster_ref"] = reference->second / per_iter;
+}
+
+/// The timed restore: acquire of the prompt, every page from the tier.
+void restore(benchmark::State& state, const std::string& name, TierFixture& f) {
+  int64_t seq = -1;
+  tier_loop(
+      state, name, f.bytes,
+      [&] {
+        const auto hit = f.prefix.acquire(f.prompt);
+        if (hit.second != kTierPages * kPageSize) std::abort();
+        seq = hit.first;
+      },
+      [&] {
+        f.table.release(seq);
+        f.evict();
+      });
+}
+
+TierFixture& host_fixture() {
+  return fixture<TierFixture>("prefix_restore/host",
+                              [] { return std::make_unique<TierFixture>(pagedkv::host_store(int64_t{1} << 30)); });
+}
+
+/// A temporary directory with a disk tier in it, removed at the end.
+struct DiskTierFixture {
+  static std::string make_dir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "pagedkv-bench-XXXXXX").string();
+    TORCH_CHECK(::mkdtemp(pattern.data()) != nullptr, "bench: mkdtemp failed");
+    return pattern;
+  }
+  DiskTierFixture() : dir(make_dir()), tier(pagedkv::disk_store(dir, int64_t{1} << 30)) {
+    for (const auto& e : std::filesystem::directory_iterator(dir)) files.push_back(e.path().string());
+    TORCH_CHECK(static_cast<int64_t>(files.size()) == kTierPages, "bench: ", files.size(), " files in the tier");
+    int64_t largest = 0;
+    for (const auto& p : files) largest = std::max<int64_t>(largest, static_cast<int64_t>(std::filesystem::file_size(p)));
+    buffer.assign(static_cast<size_t>(largest), 1);  // pre-faulted
+  }
+  ~DiskTierFixture() {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  }
+  std::string dir;
+  TierFixture tier;
+  std::vector<std::string> files;
+  std::vector<char> buffer;
+};
+
+DiskTierFixture& disk_fixture() {
+  return fixture<DiskTierFixture>("prefix_restore/disk", [] { return std::make_unique<DiskTierFixture>(); });
+}
+
+/// The disk limit: each entry's file opened, read whole into one buffer, closed.
+void read_files(DiskTierFixture& f) {
+  for (const auto& p : f.files) {
+    const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) std::abort();
+    char* data = f.buffer.data();
+    size_t done = 0;
+    for (ssize_t r; (r = ::read(fd, data + done, f.buffer.size() - done)) > 0;) done += static_cast<size_t>(r);
+    ::close(fd);
+    benchmark::DoNotOptimize(data);
+  }
+}
+
+#if defined(PAGEDKV_BENCH_REDIS)
+
+/// A redis-server of the suite's own on 127.0.0.1 (a free port, a temporary
+/// directory, no persistence), as tests/test_redis_store.cpp starts one;
+/// killed at the end.
+class BenchRedisServer {
+ public:
+  BenchRedisServer() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "pagedkv-bench-redis-XXXXXX").string();
+    TORCH_CHECK(::mkdtemp(pattern.data()) != nullptr, "bench: mkdtemp failed");
+    dir_ = pattern;
+    port_ = free_port();
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const std::string port = std::to_string(port_);
+      ::execl(PAGEDKV_REDIS_SERVER, PAGEDKV_REDIS_SERVER, "--port", port.c_str(), "--bind", "127.0.0.1", "--dir",
+              dir_.c_str(), "--save", "", "--appendonly", "no", "--loglevel", "warning", "--logfile",
+              (dir_ + "/log").c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    for (int i = 0; i < 200 && !ready(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ~BenchRedisServer() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    std::error_code ignored;
+    std::filesystem::remove_all(dir_, ignored);
+  }
+  BenchRedisServer(const BenchRedisServer&) = delete;
+  BenchRedisServer& operator=(const BenchRedisServer&) = delete;
+
+  bool ready() const {
+    redisContext* c = connect();
+    bool ok = false;
+    if (c != nullptr && c->err == 0) {
+      auto* r = static_cast<redisReply*>(redisCommand(c, "PING"));
+      ok = r != nullptr && r->type == REDIS_REPLY_STATUS;
+      if (r != nullptr) freeReplyObject(r);
+    }
+    if (c != nullptr) redisFree(c);
+    return ok;
+  }
+  redisContext* connect() const {
+    const timeval tv{1, 0};
+    return port_ > 0 ? redisConnectWithTimeout("127.0.0.1", port_, tv) : nullptr;
+  }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+
+ private:
+  static int free_port() {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    int port = -1;
+    if (fd >= 0 && ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0)
+      port = ntohs(addr.sin_port);
+    if (fd >= 0) ::close(fd);
+    return port;
+  }
+
+  std::string dir_;
+  int port_ = -1;
+  pid_t pid_ = -1;
+};
+
+/// The server, then a redis tier on it (and the keys its entries went to).
+struct RedisTierFixture {
+  RedisTierFixture() {
+    if (!server.ready()) return;
+    tier = std::make_unique<TierFixture>(pagedkv::redis_store(server.address()));
+    conn = server.connect();
+    auto* r = static_cast<redisReply*>(redisCommand(conn, "KEYS pagedkv:*"));
+    if (r != nullptr && r->type == REDIS_REPLY_ARRAY) {
+      for (size_t i = 0; i < r->elements; ++i) keys.emplace_back(r->element[i]->str, r->element[i]->len);
+    }
+    if (r != nullptr) freeReplyObject(r);
+    TORCH_CHECK(static_cast<int64_t>(keys.size()) == kTierPages, "bench: ", keys.size(), " keys on the server");
+  }
+  ~RedisTierFixture() {
+    tier.reset();  // the store's connections go before the server
+    if (conn != nullptr) redisFree(conn);
+  }
+  BenchRedisServer server;
+  std::unique_ptr<TierFixture> tier;
+  redisContext* conn = nullptr;
+  std::vector<std::string> keys;
+};
+
+RedisTierFixture& redis_fixture() {
+  return fixture<RedisTierFixture>("prefix_restore/redis", [] { return std::make_unique<RedisTierFixture>(); });
+}
+
+/// The redis limit: one raw GET per entry on one connection.
+void get_keys(RedisTierFixture& f) {
+  for (const auto& k : f.keys) {
+    auto* r = static_cast<redisReply*>(redisCommand(f.conn, "GET %b", k.data(), k.size()));
+    if (r == nullptr || r->type != REDIS_REPLY_STRING) std::abort();
+    benchmark::DoNotOptimize(r->str);
+    freeReplyObject(r);
+  }
+}
+
+#endif  // PAGEDKV_BENCH_REDIS
+
+void register_restores() {
+  const auto manual = [](const std::string& name, std::function<void(benchmark::State&, const std::string&)> fn) {
+    benchmark::RegisterBenchmark(name.c_str(), [fn, name](benchmark::State& state) { fn(state, name); })
+        ->UseManualTime()
+        ->MinTime(0.5)  // a restore is 10-150 ms: the suite's 0.1 s would time 1-7 of them
+        ->Unit(benchmark::kMicrosecond);
+  };
+  const std::string p = "/P" + std::to_string(kTierPages);
+  manual("prefix_restore/host" + p + "/memcpy", [](benchmark::State& state, const std::string& name) {
+    TierFixture& f = host_fixture();
+    const CopyLimit limit(f.bytes);
+    tier_loop(state, name, f.bytes, [&] { limit.run(); }, [] {});
+  });
+  manual("prefix_restore/host" + p + "/pagedkv",
+         [](benchmark::State& state, const std::string& name) { restore(state, name, host_fixture()); });
+  manual("prefix_restore/disk" + p + "/reference", [](benchmark::State& state, const std::string& name) {
+    DiskTierFixture& f = disk_fixture();
+    tier_loop(state, name, f.tier.bytes, [&] { read_files(f); }, [] {});
+  });
+  manual("prefix_restore/disk" + p + "/pagedkv",
+         [](benchmark::State& state, const std::string& name) { restore(state, name, disk_fixture().tier); });
+#if defined(PAGEDKV_BENCH_REDIS)
+  if (::access(PAGEDKV_REDIS_SERVER, X_OK) != 0) return;  // no redis-server: no redis rows
+  manual("prefix_restore/redis" + p + "/reference", [](benchmark::State& state, const std::string& name) {
+    RedisTierFixture& f = redis_fixture();
+    if (f.tier == nullptr) return state.SkipWithError("redis-server did not start");
+    tier_loop(state, name, f.tier->bytes, [&] { get_keys(f); }, [] {});
+  });
+  manual("prefix_restore/redis" + p + "/pagedkv", [](benchmark::State& state, const std::string& name) {
+    RedisTierFixture& f = redis_fixture();
+    if (f.tier == nullptr) return state.SkipWithError("redis-server did not start");
+    restore(state, name, *f.tier);
+  });
+#endif
+}
+
 const bool registered = [] {
   const std::pair<const char*, void (*)(benchmark::State&)> cases[] = {
       {"prefix/acquire_hit/P255", acquire_hit},
@@ -159,6 +473,7 @@ const bool registered = [] {
   for (const auto& c : cases) {
     benchmark::RegisterBenchmark(c.first, c.second)->UseManualTime()->Unit(benchmark::kMicrosecond);
   }
+  register_restores();
   return true;
 }();
 

@@ -6,6 +6,8 @@
 //                        fuzz/corpus-sequences/)
 //   FuzzPrefixCorpus     PrefixCache scripts (fuzz/prefix_script.hpp,
 //                        fuzz/corpus-prefix/)
+//   FuzzTiersCorpus      PrefixCache with host and disk tiers
+//                        (fuzz/tier_script.hpp, fuzz/corpus-tiers/)
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -19,6 +21,7 @@
 #include "../fuzz/prefix_script.hpp"
 #include "../fuzz/script.hpp"
 #include "../fuzz/sequence_script.hpp"
+#include "../fuzz/tier_script.hpp"
 
 namespace {
 
@@ -34,6 +37,7 @@ const Harness kPagedCache{"corpus", [](const uint8_t* d, size_t n) { pagedkv_fuz
 const Harness kSequences{"corpus-sequences",
                          [](const uint8_t* d, size_t n) { pagedkv_fuzz::run_sequence_script(d, n); }};
 const Harness kPrefix{"corpus-prefix", [](const uint8_t* d, size_t n) { pagedkv_fuzz::run_prefix_script(d, n); }};
+const Harness kTiers{"corpus-tiers", [](const uint8_t* d, size_t n) { pagedkv_fuzz::run_tier_script(d, n); }};
 
 std::vector<uint8_t> read_bytes(const fs::path& path) {
   std::ifstream file(path, std::ios::binary);
@@ -75,5 +79,7 @@ TEST(FuzzSequencesCorpus, EverySeedPasses) { every_seed_passes(kSequences); }
 TEST(FuzzSequencesCorpus, RandomScriptsPass) { random_scripts_pass(kSequences, 20240611, 200); }
 TEST(FuzzPrefixCorpus, EverySeedPasses) { every_seed_passes(kPrefix); }
 TEST(FuzzPrefixCorpus, RandomScriptsPass) { random_scripts_pass(kPrefix, 20261201, 200); }
+// Random tier scripts run in tests/test_property.cpp (PrefixTiersProperty).
+TEST(FuzzTiersCorpus, EverySeedPasses) { every_seed_passes(kTiers); }
 
 }  // namespace

@@ -5,6 +5,13 @@
 // both layouts, page sizes 1/3/16 and float32/float16/bfloat16, on every
 // target. Every call must either agree with the model or throw c10::Error
 // leaving the model's view of the cache unchanged.
+//
+// PrefixTiersProperty: random request / release / evict / clear / persist /
+// restart / corrupt sequences on a PrefixCache with host and disk tiers and
+// a small pool (fuzz/tier_script.hpp, the engine of fuzz_tiers), fixed
+// seeds, each layout, K/V format pair and tier arrangement: what the KV
+// events say some tier holds must be matched, with the K/V bytes it was
+// computed with.
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
@@ -17,6 +24,7 @@
 #include <tuple>
 #include <vector>
 
+#include "../fuzz/tier_script.hpp"
 #include "test_support.hpp"
 
 namespace {
@@ -382,6 +390,57 @@ std::string name(const ::testing::TestParamInfo<std::tuple<Target, Config>>& inf
   }
   return std::string(std::get<0>(info.param).name) + "_P" + std::to_string(c.page_size) + "_" +
          std::string(c10::toString(c.dtype)) + formats;
+}
+
+/// Random scripts of one tier arrangement, fixed seeds; returns what they did.
+pagedkv_fuzz::TierSummary tier_scripts(pagedkv_fuzz::TierOptions options, uint64_t seed, int n_scripts) {
+  pagedkv_fuzz::TierSummary total;
+  std::mt19937_64 rng(seed);
+  for (int i = 0; i < n_scripts; ++i) {
+    std::vector<uint8_t> bytes(1500);
+    for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+    try {
+      const auto s = pagedkv_fuzz::run_tier_script(bytes.data(), bytes.size(), options);
+      total.loaded_pages += s.loaded_pages;
+      total.restarts += s.restarts;
+      total.corruptions += s.corruptions;
+      total.drops += s.drops;
+    } catch (const pagedkv_fuzz::Failure& failure) {
+      ADD_FAILURE() << "script " << i << " (seed " << seed << "): " << failure.what();
+    }
+  }
+  return total;
+}
+
+TEST(PrefixTiersProperty, EveryPageSomeTierHoldsIsMatchedBitForBit) {
+  struct Case {
+    int layout, formats, tiers, ample_disk;
+  };
+  // layout 0 NHD / 1 HND; formats: native, fp8, int8, fp8 K + int8 V; tiers: host + disk, host, disk.
+  const Case cases[] = {{0, 0, 0, 0}, {1, 1, 0, 1}, {0, 2, 2, 1}, {1, 3, 1, 0}, {1, 0, 2, 0}, {0, 3, 0, 1}};
+  pagedkv_fuzz::TierSummary total;
+  for (const Case& c : cases) {
+    pagedkv_fuzz::TierOptions options;
+    options.layout = c.layout;
+    options.formats = c.formats;
+    options.tiers = c.tiers;
+    options.ample_disk = c.ample_disk;
+    SCOPED_TRACE(::testing::Message() << "layout " << c.layout << ", formats " << c.formats << ", tiers " << c.tiers
+                                      << ", ample disk " << c.ample_disk);
+    const auto s = tier_scripts(options, 5300 + 17 * static_cast<uint64_t>(&c - cases), 8);
+    EXPECT_GT(s.loaded_pages, 0) << "no page came back from a tier";
+    EXPECT_GT(s.restarts, 0);
+    total.loaded_pages += s.loaded_pages;
+    total.restarts += s.restarts;
+    total.corruptions += s.corruptions;
+    total.drops += s.drops;
+  }
+  RecordProperty("loaded_pages", static_cast<int>(total.loaded_pages));
+  RecordProperty("restarts", static_cast<int>(total.restarts));
+  RecordProperty("corruptions", static_cast<int>(total.corruptions));
+  RecordProperty("drops", static_cast<int>(total.drops));
+  EXPECT_GT(total.corruptions, 0);
+  EXPECT_GT(total.drops, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Targets, PropertyTest,

@@ -3,7 +3,8 @@
 // and stops: round trips, the budget, two caches (two engine replicas)
 // sharing pages through the server, and a server that is stopped (slow) or
 // killed: a miss or a refused put with a warning, within the timeout, and
-// the device tier untouched.
+// the device tier untouched; and the tier scripts of fuzz/tier_script.hpp
+// with the server as the last tier.
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -18,10 +19,12 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "../fuzz/tier_script.hpp"
 #include "pagedkv/page_store.hpp"
 #include "pagedkv/prefix_cache.hpp"
 #include "pagedkv/stores/redis.hpp"
@@ -102,6 +105,7 @@ class RedisServer {
     return ok;
   }
   std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  int port() const { return port_; }
   void stop() { ::kill(pid_, SIGSTOP); }  // a server that does not answer (slow)
   void resume() { ::kill(pid_, SIGCONT); }
   void kill() {
@@ -259,6 +263,54 @@ TEST(RedisStore, AStoppedOrKilledServerIsAMissWithAWarningWithinTheTimeout) {
   EXPECT_EQ(m, kPage);
   seqs.release(third);
   prefix.check();
+}
+
+/// Random tier scripts (fuzz/tier_script.hpp, as in PrefixTiersProperty)
+/// with the server after host memory and the directory: a store per engine
+/// (a restart connects again, the server keeps what it holds), and the
+/// server's key count checked against the KV events after every call.
+TEST(RedisStore, TierScriptsWithTheServerAsTheLastTier) {
+  RedisServer server;
+  REQUIRE_SERVER(server);
+  redisContext* conn = redisConnectWithTimeout("127.0.0.1", server.port(), timeval{2, 0});
+  ASSERT_TRUE(conn != nullptr && conn->err == 0);
+  const auto command = [&](const char* what) {
+    auto* r = static_cast<redisReply*>(redisCommand(conn, what));
+    const long long n = r != nullptr && r->type == REDIS_REPLY_INTEGER ? r->integer : -1;
+    if (r != nullptr) freeReplyObject(r);
+    return n;
+  };
+  pagedkv_fuzz::TierOptions options;
+  options.remote = [&] { return pagedkv::redis_store(server.address()); };
+  options.remote_entries = [&](pagedkv::PageStore& store) {
+    dynamic_cast<RedisStore&>(store).flush();
+    return static_cast<int64_t>(command("DBSIZE"));
+  };
+  std::mt19937_64 rng(20261206);
+  pagedkv_fuzz::TierSummary total;
+  for (int i = 0; i < 12; ++i) {
+    command("FLUSHALL");  // each script's model starts empty
+    options.tiers = i % 3;  // host + disk, host, disk; then the server
+    std::vector<uint8_t> bytes(1000);
+    for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+    try {
+      const auto s = pagedkv_fuzz::run_tier_script(bytes.data(), bytes.size(), options);
+      total.loaded_pages += s.loaded_pages;
+      total.restarts += s.restarts;
+      total.corruptions += s.corruptions;
+      total.last_tier_loaded_pages += s.last_tier_loaded_pages;
+    } catch (const pagedkv_fuzz::Failure& failure) {
+      ADD_FAILURE() << "script " << i << ": " << failure.what();
+    }
+  }
+  redisFree(conn);
+  EXPECT_GT(total.loaded_pages, 0);
+  EXPECT_GT(total.restarts, 0);
+  EXPECT_GT(total.corruptions, 0);
+  EXPECT_GT(total.last_tier_loaded_pages, 0) << "no page came back from the server";
+  RecordProperty("loaded_pages", static_cast<int>(total.loaded_pages));
+  RecordProperty("server_loaded_pages", static_cast<int>(total.last_tier_loaded_pages));
+  RecordProperty("restarts", static_cast<int>(total.restarts));
 }
 
 TEST(RedisStore, BadAddressesThrow) {
