@@ -340,9 +340,8 @@ std::vector<Case> option_cases() {
       with({at::kFloat, 1, 2, 1, 16, 5, {12, 5}, int8, at::kInt, 4}, 3, 0, {}, {}),
       // windows split across blocks and merged (decode and prefill), with the other options
       // (2 splits of a window of 260, or of 258 + 4 new tokens)
-      with({at::kHalf, 16, 4, 2, 16, 1, {600, 5, 300}, native, at::kInt, 64}, 260, 0, {}, {}),
       with({at::kHalf, 16, 4, 1, 16, 1, {600, 5}, int8, at::kInt, 64}, 260, 20.0, {9, -1, 0.5f, 3}, {}),
-      poisoned(with({at::kBFloat16, 16, 2, 2, 16, 5, {400, 9}, native, at::kLong, 64}, 258, 10.0, {2, -3, 0, 1}, {})),
+      poisoned(with({at::kBFloat16, 16, 2, 1, 16, 5, {400, 9}, native, at::kLong, 64}, 258, 10.0, {2, -3}, {})),
       // soft-cap of logits ~ +-200: decode and prefill
       with(big_logits, 0, 30.0, {}, {}),
       with(big_prefill, 0, 25.0, {}, {}),
