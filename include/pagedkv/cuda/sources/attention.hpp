@@ -509,7 +509,8 @@ PKV_DEVICE void attention_prefill(const AttentionParams& p) {
     for (pkv_i64 r = warp; r < n_rows; r += kAttentionWarps) {
       const pkv_i64 position = new_start + row_query(r);
       float score = negative_infinity();
-      if (row_valid(r) && lane < n && tile_pages[lane] >= 0 && sees(p, b, row_query(r), position, new_start, k0 + lane)) {
+      if (row_valid(r) && lane < n && tile_pages[lane] >= 0 &&
+          sees(p, b, row_query(r), position, new_start, k0 + lane)) {
         score = 0.0f;
         for (pkv_i64 d = 0; d < D; ++d) score += queries[r * D + d] * keys[lane * (D + 1) + d];
         score = cap_logit(p, score);
