@@ -2,12 +2,13 @@
 // where none is visible, and in a build against a libtorch without CUDA):
 // results equal to the CPU kernels' bit for bit (write, gather, page
 // copies, codes and scales), attention within the CPU kernel's tolerance
-// of it and of a float64 reference, a decode step under torch's sync debug
-// mode set to error, a decode step captured once in a CUDA graph and
-// replayed for later steps with other lengths and pages, stale views, and
-// what may not happen inside a capture.
+// of it and of a float64 reference, the attention options against float64,
+// a decode step under torch's sync debug mode set to error, a decode step
+// captured once in a CUDA graph and replayed for later steps with other
+// lengths and pages, stale views, and what may not happen inside a capture.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -227,6 +228,119 @@ TEST(CudaOnGpu, cuda_AttentionMatchesTheCpuKernelAndFloat64) {
     const double scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
     EXPECT_LT(rel_error(out_gpu, reference(q, kv.first, kv.second, c.lengths, scale)), tolerance) << "float64";
     EXPECT_LT(rel_error(out_gpu, out_cpu), tolerance) << "CPU kernel";
+  }
+}
+
+/// reference() with AttentionOptions, spelled out from their words: query
+/// s (position p = length - Sq + s) sees key t iff t >= p - window + 1 and,
+/// among the new tokens, as the tree mask says (causal without one);
+/// logits soft-capped after the scale; a sink per head in the denominator;
+/// zeros where a query sees nothing. Options' tensors may be on any device.
+at::Tensor reference_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const std::vector<int64_t>& lens, const pagedkv::AttentionOptions& o) {
+  const int64_t batch = q.size(0), n_queries = q.size(1), n_heads = q.size(2);
+  const at::Tensor mask = o.tree_mask.defined() ? o.tree_mask.cpu() : at::Tensor();
+  std::vector<at::Tensor> outs;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t length = lens[static_cast<size_t>(b)], new_start = length - n_queries;
+    const at::Tensor kb = k[b].narrow(0, 0, length).cpu().to(at::kDouble);
+    const at::Tensor vb = v[b].narrow(0, 0, length).cpu().to(at::kDouble);
+    const int64_t group = n_heads / kb.size(1);
+    const at::Tensor qb = q[b].cpu().to(at::kDouble).permute({1, 0, 2});
+    at::Tensor scores = at::matmul(qb, kb.repeat_interleave(group, 1).permute({1, 2, 0})) * o.scale;
+    if (o.softcap > 0.0) scores = at::tanh(scores / o.softcap) * o.softcap;
+    at::Tensor visible = at::zeros({n_queries, length}, at::kBool);
+    auto vis = visible.accessor<bool, 2>();
+    for (int64_t s = 0; s < n_queries; ++s) {
+      const int64_t position = new_start + s;
+      for (int64_t t = o.window > 0 ? std::max<int64_t>(0, position - o.window + 1) : 0; t < length; ++t) {
+        vis[s][t] = t < new_start || (mask.defined() ? mask[b][s][t - new_start].item<bool>() : t <= position);
+      }
+    }
+    scores.masked_fill_(visible.logical_not().unsqueeze(0), -INFINITY);
+    at::Tensor probs;
+    if (o.sinks.defined()) {
+      const at::Tensor sink = o.sinks.cpu().to(at::kDouble).view({n_heads, 1, 1}).expand({n_heads, n_queries, 1});
+      probs = at::softmax(at::cat({scores, sink}, -1), -1).narrow(-1, 0, length);
+    } else {
+      probs = at::softmax(scores, -1);
+    }
+    probs = at::where(visible.any(-1, true).unsqueeze(0), probs, at::zeros_like(probs));
+    outs.push_back(at::matmul(probs, vb.repeat_interleave(group, 1).permute({1, 0, 2})).permute({1, 0, 2}));
+  }
+  return at::stack(outs);
+}
+
+/// paged_attention's options on the GPU against float64 (not yet run on a
+/// GPU when written: the CUDA-grid emulator ran the same kernel text,
+/// tests/test_cuda_emulated_attention.cpp): a windowed decode over a long
+/// context whose table is -1 before the window (as a windowed
+/// SequenceTable's), soft-cap and sinks on fp8 pages, a tree mask in a
+/// prefill chunk with a window, all through bind and the checks.
+TEST(CudaOnGpu, cuda_AttentionOptionsMatchFloat64) {
+  PAGEDKV_NEED_GPU();
+  struct Case {
+    at::ScalarType dtype;
+    KVQuant quant;
+    int64_t page_size, kv_heads, group, head_dim, n_queries;
+    std::vector<int64_t> lengths;
+    int64_t window;
+    double softcap;
+    bool sinks, tree;
+  };
+  const Case cases[] = {
+      {at::kHalf, {}, 16, 8, 4, 128, 1, {4000, 17, 1500}, 1024, 0.0, false, false},
+      {at::kBFloat16, {KVFormat::fp8_e4m3, KVFormat::fp8_e4m3}, 16, 2, 8, 128, 1, {3000, 1}, 700, 50.0, true, false},
+      {at::kFloat, {KVFormat::int8, KVFormat::int8}, 7, 2, 2, 64, 1, {600, 5}, 0, 30.0, true, false},
+      {at::kHalf, {}, 16, 2, 4, 128, 7, {900, 7}, 300, 20.0, true, true},
+      {at::kFloat, {}, 5, 1, 16, 80, 7, {100, 64}, 0, 0.0, false, true},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(std::string(c10::toString(c.dtype)) + " K=" + pagedkv::format_name(c.quant.k) + " D=" +
+                 std::to_string(c.head_dim) + " Sq=" + std::to_string(c.n_queries) + " window=" +
+                 std::to_string(c.window) + " softcap=" + std::to_string(c.softcap));
+    const int64_t batch = static_cast<int64_t>(c.lengths.size()), n_heads = c.kv_heads * c.group;
+    int64_t cols = 0;
+    for (const int64_t l : c.lengths) cols = std::max(cols, (l + c.page_size - 1) / c.page_size + 1);
+    PagedCache<NHD> gpu(1, batch * cols, c.page_size, c.kv_heads, c.head_dim,
+                        at::TensorOptions().dtype(c.dtype).device(kCuda), c.quant);
+    std::vector<int64_t> pages = gpu.alloc_n(batch * cols);
+    std::shuffle(pages.begin(), pages.end(), std::mt19937(5));
+    std::vector<std::vector<int64_t>> rows(batch), read_rows(batch);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t first =
+          pagedkv::checks::first_visible(c.lengths[static_cast<size_t>(b)], c.n_queries, c.window) / c.page_size;
+      for (int64_t j = 0; j < cols; ++j) {
+        rows[static_cast<size_t>(b)].push_back(pages[static_cast<size_t>(b * cols + j)]);
+        read_rows[static_cast<size_t>(b)].push_back(j < first ? -1 : pages[static_cast<size_t>(b * cols + j)]);
+      }
+    }
+    const at::Tensor page_table = table(rows, at::kInt);
+    const int64_t longest = *std::max_element(c.lengths.begin(), c.lengths.end());
+    const at::Tensor k = kv_values({batch, longest, c.kv_heads, c.head_dim}, c.dtype, 7, false);
+    const at::Tensor v = kv_values({batch, longest, c.kv_heads, c.head_dim}, c.dtype, 8, false);
+    gpu.write(0, page_table, 0, k.to(kCuda), v.to(kCuda));
+    const at::Tensor lengths = ints(c.lengths);
+    const at::Tensor q = kv_values({batch, c.n_queries, n_heads, c.head_dim}, c.dtype, 9, false);
+    pagedkv::AttentionOptions o;
+    o.scale = 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+    o.window = c.window;
+    o.softcap = c.softcap;
+    if (c.sinks) o.sinks = (at::arange(n_heads, at::kFloat) * 1.5 - 4.0).to(kCuda);
+    if (c.tree) {  // a root, then two chains of 3; the last row of every sequence sees no new token
+      at::Tensor m = at::zeros({batch, c.n_queries, c.n_queries}, at::kBool);
+      auto a = m.accessor<bool, 3>();
+      for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t i = 0; i + 1 < c.n_queries; ++i) {
+          for (int64_t j = 0; j <= i; ++j) a[b][i][j] = j == 0 || j % 2 == i % 2;
+        }
+      }
+      o.tree_mask = m.to(kCuda);
+    }
+    const auto kv = gpu.gather(0, page_table, lengths);  // dequantized, as the kernels see it
+    const at::Tensor out = pagedkv::paged_attention(gpu.bind(table(read_rows, at::kInt), lengths), 0, q.to(kCuda), o);
+    const double tolerance = c.dtype == at::kFloat ? 1e-5 : 2e-2;
+    EXPECT_LT(rel_error(out, reference_with(q, kv.first, kv.second, c.lengths, o)), tolerance) << "float64";
   }
 }
 

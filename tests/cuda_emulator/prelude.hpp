@@ -115,6 +115,7 @@ inline float pkv_add_rn(float a, float b) {
 }
 inline float pkv_rint(float x) { return std::nearbyint(x); }
 inline float pkv_exp(float x) { return std::exp(x); }
+inline float pkv_tanh(float x) { return std::tanh(x); }
 inline float pkv_fabs(float x) { return std::fabs(x); }
 inline pkv_u32 pkv_byte_perm(pkv_u32 a, pkv_u32 b, pkv_u32 selector) {
   const pkv_u64 bytes = (static_cast<pkv_u64>(b) << 32) | a;

@@ -2,9 +2,10 @@
 // the decode kernel for one query per sequence, the prefill kernel for
 // more, and the merge of split contexts. Every size that decides a grid or
 // a split comes from shapes (batch, heads, head_dim, the page table's
-// capacity max_pages x page_size) and the device's SM count, never from
-// the lengths, which the kernels read on the device: a captured CUDA graph
-// replays with the lengths of any later bind of the same shapes.
+// capacity max_pages x page_size, or the window's span when there is one)
+// and the device's SM count, never from the lengths, which the kernels read
+// on the device: a captured CUDA graph replays with the lengths of any
+// later bind of the same shapes.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -98,11 +99,22 @@ inline bool attention_supports(int64_t head_dim, const Executor& ex) {
          decode_shared_bytes(8, 32, head_dim) <= ex.max_shared_bytes();
 }
 
+/// The most keys one block's queries see: a window's (with the new tokens
+/// a prefill's later queries add) or the table's capacity. Splits divide
+/// this span, which comes from shapes and options only.
+inline int64_t key_span(int64_t capacity, int64_t n_queries, int64_t window) {
+  return window > 0 ? std::min(capacity, window + n_queries - 1) : capacity;
+}
+
 /// Causal paged attention: q [B, Sq, n_heads, D] (the logical dtype, any
 /// strides; D <= kMaxHeadDim, attention_supports) against the keys and values of one layer's sides through
 /// `table`, each query s of sequence b at position lengths[b] - Sq + s
-/// (lengths on the device). Returns [B, Sq, n_heads, D], contiguous.
-/// Inputs are validated by the caller.
+/// (lengths on the device), with `options` (window, softcap, sinks,
+/// tree_mask on the device, as AttentionOptions says). Returns [B, Sq,
+/// n_heads, D], contiguous. Inputs are validated by the caller; the
+/// columns of `table` before the earliest query's window start are never
+/// read. The options' paths have run under the CPU emulator only, not on
+/// a GPU.
 inline at::Tensor attention(Executor& ex, const params::TableRef& table, const int64_t* lengths,
                             const at::Tensor& q, const Side (&sides)[2], const PageGeometry& g, at::ScalarType dtype,
                             int64_t n_pages, const AttentionOptions& options) {
@@ -131,7 +143,20 @@ inline at::Tensor attention(Executor& ex, const params::TableRef& table, const i
   p.page_size = g.page_size;
   p.page_shift = page_shift(g.page_size);
   p.n_pages = n_pages;
-  const int64_t capacity = table.cols * g.page_size;
+  p.window = options.window;
+  p.softcap = options.softcap;
+  if (options.sinks.defined()) {
+    p.sinks = options.sinks.data_ptr<float>();
+    p.sinks_stride = options.sinks.stride(0);
+  }
+  if (options.tree_mask.defined()) {
+    // bool elements are bytes: element strides are byte strides.
+    p.tree_mask = options.tree_mask.data_ptr();
+    p.mask_batch = options.tree_mask.stride(0);
+    p.mask_query = options.tree_mask.stride(1);
+    p.mask_key = options.tree_mask.stride(2);
+  }
+  const int64_t span = key_span(table.cols * g.page_size, n_queries, options.window);
   KernelKey key;
   Dim3 grid;
   int64_t shared = 0;
@@ -144,7 +169,7 @@ inline at::Tensor attention(Executor& ex, const params::TableRef& table, const i
     int64_t budget = kPlainSharedBytes;
     if (decode_shared_bytes(tile, 32, D) > budget) budget = ex.max_shared_bytes();
     const int64_t max_chunk = (budget / 4 - 2 * tile - 5 * tile * D) / tile;
-    const Splits s = choose_splits(capacity, batch * g.n_heads * p.n_head_tiles, ex.sm_count(), max_chunk, 32);
+    const Splits s = choose_splits(span, batch * g.n_heads * p.n_head_tiles, ex.sm_count(), max_chunk, 32);
     p.split_tokens = s.chunk;
     p.n_splits = s.n;
     key = attention_decode_kernel(dt, sides[0].format, static_cast<int>(D), tile);
@@ -160,8 +185,8 @@ inline at::Tensor attention(Executor& ex, const params::TableRef& table, const i
     int64_t key_tile = 32;
     while (key_tile > 1 && prefill_shared_bytes(key_tile, rows, D) > budget) key_tile /= 2;
     p.key_tile = key_tile;
-    const Splits s = choose_splits(capacity, batch * p.n_query_tiles * g.n_heads * p.n_head_tiles, ex.sm_count(),
-                                   capacity + key_tile, key_tile);
+    const Splits s = choose_splits(span, batch * p.n_query_tiles * g.n_heads * p.n_head_tiles, ex.sm_count(),
+                                   span + key_tile, key_tile);
     p.split_tokens = s.chunk;
     p.n_splits = s.n;
     key = attention_prefill_kernel();

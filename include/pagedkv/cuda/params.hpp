@@ -122,7 +122,11 @@ static_assert(sizeof(pkv_i64) == sizeof(long long), "pkv_i64 is 64-bit on both s
   F(pkv_i64, row_vec)               \
   F(pkv_i64, lanes)
 
-/// paged attention (split kernels and their merge).
+/// paged attention (split kernels and their merge). The options as
+/// AttentionOptions says: window (0: none), softcap (0: none), sinks
+/// [n_heads] floats (element stride sinks_stride; null: none), tree_mask
+/// [batch, n_queries, n_queries] bools (byte strides mask_batch, mask_query,
+/// mask_key; null: causal among the new tokens).
 #define PAGEDKV_CUDA_ATTENTION_PARAMS(F) \
   F(TableRef, table)                     \
   F(const pkv_i64*, lengths)             \
@@ -132,6 +136,14 @@ static_assert(sizeof(pkv_i64) == sizeof(long long), "pkv_i64 is 64-bit on both s
   F(PagesRef, k)                         \
   F(PagesRef, v)                         \
   F(double, scale)                       \
+  F(pkv_i64, window)                     \
+  F(double, softcap)                     \
+  F(const float*, sinks)                 \
+  F(pkv_i64, sinks_stride)               \
+  F(const void*, tree_mask)              \
+  F(pkv_i64, mask_batch)                 \
+  F(pkv_i64, mask_query)                 \
+  F(pkv_i64, mask_key)                   \
   F(pkv_i64, dtype)                      \
   F(pkv_i64, k_format)                   \
   F(pkv_i64, v_format)                   \

@@ -26,6 +26,15 @@
 // Quantized sides: a key's scale multiplies its score, a value's scale its
 // softmax weight (fp8 codes are decoded as e4m3 / 256 through fp16, and the
 // scale carries the 256, as on the CPU).
+//
+// The options (AttentionOptions) are run-time parameters of every kernel,
+// not template arguments, so that they add no NVRTC compile. A block's keys
+// start at its earliest query's window start: splits cover the window, not
+// the context, and the pages before it (which may be -1) are never read.
+// The soft-cap applies to the scaled logit before any max is taken; a
+// tree mask decides per key among the new tokens; the sinks join the
+// denominator only where a row is finished (store_output), after splits
+// are merged. Untested on a GPU: only the CPU emulator has run this text.
 #pragma once
 
 #include "pagedkv/cuda/source_text.hpp"
@@ -145,12 +154,44 @@ PKV_DEVICE SideRow side_row(const PagesRef& side, pkv_i64 format, pkv_i64 page, 
 }
 
 /// Sequence b's length, clamped to what its table row can map. Query s
-/// sits at position length - n_queries + s and sees keys [0, position].
+/// sits at position length - n_queries + s and sees the keys `sees` says.
 PKV_DEVICE pkv_i64 sequence_length(const AttentionParams& p, pkv_i64 b) {
   pkv_i64 length = p.lengths[b];
   const pkv_i64 capacity = p.table.cols * p.page_size;
   length = length < 0 ? 0 : length;
   return length > capacity ? capacity : length;
+}
+
+/// The first position a query at `position` sees: its window's start.
+PKV_DEVICE pkv_i64 window_start(const AttentionParams& p, pkv_i64 position) {
+  if (p.window <= 0) return 0;
+  const pkv_i64 start = position - p.window + 1;
+  return start > 0 ? start : 0;
+}
+
+/// Whether the tree mask lets new token i of sequence b see new token j.
+PKV_DEVICE bool tree_mask_at(const AttentionParams& p, pkv_i64 b, pkv_i64 i, pkv_i64 j) {
+  return pkv_load_u8(static_cast<const unsigned char*>(p.tree_mask) + b * p.mask_batch + i * p.mask_query +
+                     j * p.mask_key) != 0;
+}
+
+/// Whether query s of sequence b, at `position`, sees the key at position
+/// t (the new tokens start at new_start): inside its window, and older
+/// than the new tokens or, among them, as the tree mask says (causal
+/// without one). The window bounds a key from below only, so a tree mask
+/// may show a query a later new token.
+PKV_DEVICE bool sees(const AttentionParams& p, pkv_i64 b, pkv_i64 s, pkv_i64 position, pkv_i64 new_start, pkv_i64 t) {
+  if (t < window_start(p, position)) return false;
+  if (t < new_start) return true;
+  if (p.tree_mask == nullptr) return t <= position;
+  return tree_mask_at(p, b, s, t - new_start);
+}
+
+/// A scaled logit, soft-capped when the options say so.
+PKV_DEVICE float cap_logit(const AttentionParams& p, float x) {
+  if (p.softcap <= 0.0) return x;
+  const float cap = static_cast<float>(p.softcap);
+  return cap * pkv_tanh(x / cap);
 }
 
 /// Element d of query s, head h of sequence b, times the softmax scale.
@@ -168,9 +209,27 @@ PKV_DEVICE float load_query(const AttentionParams& p, pkv_i64 b, pkv_i64 s, pkv_
   return x * static_cast<float>(p.scale);
 }
 
-/// Element d of output row `row` ((b * n_queries + s) * n_heads + h) <- acc / sum.
-PKV_DEVICE void store_output(const AttentionParams& p, pkv_i64 row, pkv_i64 d, float acc, float sum) {
-  const float value = sum > 0.0f ? acc * (1.0f / sum) : 0.0f;
+/// Element d of output row `row` ((b * n_queries + s) * n_heads + h) <- acc
+/// / sum, acc and sum relative to exp(max); with a sink, acc / (sum +
+/// exp(sink - max)). A row that saw no key (sum 0) is zeros, sink or not.
+PKV_DEVICE void store_output(const AttentionParams& p, pkv_i64 row, pkv_i64 d, float acc, float max, float sum) {
+  float value = 0.0f;
+  if (sum > 0.0f) {
+    float denominator = sum;
+    if (p.sinks != nullptr) {
+      const float sink = p.sinks[(row % p.n_heads) * p.sinks_stride];
+      // exp(sink - max) overflows for a sink far above every logit: then
+      // both terms are taken relative to the sink instead.
+      if (sink > max) {
+        const float r = pkv_exp(max - sink);
+        acc *= r;
+        denominator = sum * r + 1.0f;
+      } else {
+        denominator = sum + pkv_exp(sink - max);
+      }
+    }
+    value = acc * (1.0f / denominator);
+  }
   unsigned char* out = static_cast<unsigned char*>(p.out);
   if (p.dtype == kFloat32) {
     Dtype<kFloat32>::store(out + (row * p.head_dim + d) * 4, value);
@@ -188,7 +247,7 @@ PKV_DEVICE void finish_row(const AttentionParams& p, pkv_i64 b, pkv_i64 s, pkv_i
                            float acc, float max, float sum) {
   const pkv_i64 row = (b * p.n_queries + s) * p.n_heads + h;
   if (p.n_splits == 1) {
-    store_output(p, row, d, acc, sum);
+    store_output(p, row, d, acc, max, sum);
     return;
   }
   float* part = p.partials + (row * p.n_splits + split) * (2 + p.head_dim);
@@ -220,8 +279,12 @@ PKV_DEVICE void attention_decode(const AttentionParams& p) {
   const pkv_i64 first_head = kv_head * p.group + tile_first;
   const pkv_i64 rows = p.group - tile_first < kG ? p.group - tile_first : kG;
   const pkv_i64 length = sequence_length(p, b);
-  const pkv_i64 t0 = split * chunk;
-  const pkv_i64 t1 = t0 + chunk < length ? t0 + chunk : length;
+  // The query sees [first, end): from its window's start, and itself unless
+  // the tree mask hides it. Splits cover that range only.
+  const pkv_i64 first = window_start(p, length - 1);
+  const pkv_i64 end = p.tree_mask != nullptr && length > 0 && !tree_mask_at(p, b, 0, 0) ? length - 1 : length;
+  const pkv_i64 t0 = first + split * chunk;
+  const pkv_i64 t1 = t0 + chunk < end ? t0 + chunk : end;
   const int tid = static_cast<int>(pkv_tid());
   const int lane = tid % kLanes;   // in its token's thread group
   const int group = tid / kLanes;  // the thread group
@@ -275,7 +338,9 @@ PKV_DEVICE void attention_decode(const AttentionParams& p) {
       for (int g = 0; g < kG; ++g) dot[g] = group_sum(dot[g], kLanes);
       if (t < t1 && lane == 0) {
         PKV_UNROLL
-        for (int g = 0; g < kG; ++g) logits[g * chunk + (t - t0)] = page >= 0 ? dot[g] * key_scale : negative_infinity();
+        for (int g = 0; g < kG; ++g) {
+          logits[g * chunk + (t - t0)] = page >= 0 ? cap_logit(p, dot[g] * key_scale) : negative_infinity();
+        }
       }
     }
   }
@@ -395,11 +460,15 @@ PKV_DEVICE void attention_prefill(const AttentionParams& p) {
   const auto row_query = [&](pkv_i64 r) { return query_tile * p.query_tile + r / p.head_tile; };
   const auto row_head = [&](pkv_i64 r) { return head_tile * p.head_tile + r % p.head_tile; };
   const auto row_valid = [&](pkv_i64 r) { return row_query(r) < p.n_queries && row_head(r) < p.group; };
-  // The tile's last query sees keys [0, last_visible); this split covers [t0, t_end).
+  // The tile's queries see keys in [first_visible, last_visible): from its
+  // first query's window start to its last query (every new token under a
+  // tree mask); this split covers [t0, t_end).
+  const pkv_i64 new_start = length - p.n_queries;
   pkv_i64 tile_last_query = query_tile * p.query_tile + p.query_tile - 1;
   tile_last_query = tile_last_query < p.n_queries - 1 ? tile_last_query : p.n_queries - 1;
-  const pkv_i64 last_visible = length - p.n_queries + tile_last_query + 1;
-  const pkv_i64 t0 = split * p.split_tokens;
+  const pkv_i64 first_visible = window_start(p, new_start + query_tile * p.query_tile);
+  const pkv_i64 last_visible = p.tree_mask != nullptr ? length : new_start + tile_last_query + 1;
+  const pkv_i64 t0 = first_visible + split * p.split_tokens;
   pkv_i64 t_end = t0 + p.split_tokens;
   t_end = t_end < last_visible ? t_end : last_visible;
 
@@ -438,11 +507,13 @@ PKV_DEVICE void attention_prefill(const AttentionParams& p) {
     const pkv_i64 n = t_end - k0 < key_tile ? t_end - k0 : key_tile;
     // A warp per row; `r` is the same on every lane of a warp.
     for (pkv_i64 r = warp; r < n_rows; r += kAttentionWarps) {
-      const pkv_i64 position = length - p.n_queries + row_query(r);  // the row's query sees keys <= it
+      const pkv_i64 position = new_start + row_query(r);
       float score = negative_infinity();
-      if (row_valid(r) && lane < n && k0 + lane <= position && tile_pages[lane] >= 0) {
+      if (row_valid(r) && lane < n && tile_pages[lane] >= 0 &&
+          sees(p, b, row_query(r), position, new_start, k0 + lane)) {
         score = 0.0f;
         for (pkv_i64 d = 0; d < D; ++d) score += queries[r * D + d] * keys[lane * (D + 1) + d];
+        score = cap_logit(p, score);
       }
       const float old_max = stats[2 * r];
       const float tile_max = group_max(score, 32);
@@ -498,7 +569,7 @@ PKV_DEVICE void attention_merge(const AttentionParams& p) {
       for (pkv_i64 k = 0; k < p.n_splits; ++k) {
         if (parts[k * stride + 1] > 0.0f) acc += pkv_exp(parts[k * stride] - max) * parts[k * stride + 2 + d];
       }
-      store_output(p, row, d, acc, sum);
+      store_output(p, row, d, acc, max, sum);
     }
   }
 }

@@ -73,6 +73,7 @@ PKV_DEVICE float pkv_add_rn(float a, float b) { return __fadd_rn(a, b); }
 /// Round to the nearest integer, ties to even.
 PKV_DEVICE float pkv_rint(float x) { return rintf(x); }
 PKV_DEVICE float pkv_exp(float x) { return expf(x); }
+PKV_DEVICE float pkv_tanh(float x) { return tanhf(x); }
 PKV_DEVICE float pkv_fabs(float x) { return fabsf(x); }
 /// Bytes of {b, a} selected by the 4 nibbles of `selector` (CUDA's __byte_perm).
 PKV_DEVICE pkv_u32 pkv_byte_perm(pkv_u32 a, pkv_u32 b, pkv_u32 selector) { return __byte_perm(a, b, selector); }
