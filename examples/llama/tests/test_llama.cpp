@@ -373,9 +373,9 @@ TEST(Config, BadFieldsAreNamed) {
   bad([](auto& c) { c["head_dim"] = 7; }, {"'head_dim' expected an even number"});
   bad([](auto& c) { c["rope_parameters"]["rope_type"] = "yarn"; }, {"'rope_parameters.rope_type' is 'yarn'"});
   bad([](auto& c) { c["rope_parameters"]["rope_type"] = "llama3"; }, {"'rope_parameters.factor' is missing"});
-  bad([](auto& c) { c["attention_bias"] = true; }, {"'attention_bias' is true"});
+  bad([](auto& c) { c["mlp_bias"] = true; }, {"'mlp_bias' is true"});
   bad([](auto& c) { c["hidden_act"] = "gelu"; }, {"'hidden_act' is 'gelu'"});
-  bad([](auto& c) { c["model_type"] = "mistral"; }, {"'model_type' is 'mistral'"});
+  bad([](auto& c) { c["model_type"] = "phi3"; }, {"config.json", "'model_type' is 'phi3'", "gemma3_text"});
   bad([](auto& c) { c["eos_token_id"] = nlohmann::json::array({1, 99}); }, {"'eos_token_id'"});
   bad([](auto& c) { c["rms_norm_eps"] = -1; }, {"'rms_norm_eps' expected a number > 0"});
   expect_input_error([] { llama::parse_config("config.json", "{\"vocab_size\": "); }, {"config.json", "not valid JSON"});
@@ -543,23 +543,24 @@ class EngineVsPlain : public ::testing::Test {
                               int64_t host_pages = -1) {
     options.keep_logits = true;
     const llama::Model model(*config_, llama::Checkpoint(dir_->string()), at::kFloat, at::kCPU);
-    pagedkv::PagedCache<Layout> cache(spec_.layers, n_pages, page_size, spec_.kv_heads, spec_.head_dim,
-                                      at::TensorOptions().dtype(at::kFloat));
-    std::unique_ptr<pagedkv::PagedCache<Layout>> host;
+    llama::KvCaches<Layout> caches;
+    caches.full = std::make_unique<pagedkv::PagedCache<Layout>>(spec_.layers, n_pages, page_size, spec_.kv_heads,
+                                                                spec_.head_dim, at::TensorOptions().dtype(at::kFloat));
     if (host_pages > 0) {
-      host = std::make_unique<pagedkv::PagedCache<Layout>>(spec_.layers, host_pages, page_size, spec_.kv_heads,
-                                                           spec_.head_dim, at::TensorOptions().dtype(at::kFloat));
+      caches.full_host = std::make_unique<pagedkv::PagedCache<Layout>>(
+          spec_.layers, host_pages, page_size, spec_.kv_heads, spec_.head_dim, at::TensorOptions().dtype(at::kFloat));
     }
     std::map<std::string, llama::Finished> got;
     llama::SchedulerStats stats;
     {
-      llama::Scheduler<Layout> scheduler(model, cache, host.get(), options,
+      llama::Scheduler<Layout> scheduler(model, caches, options,
                                          [&](llama::Finished&& f) { got[f.id] = std::move(f); });
       for (const auto& r : *requests_) scheduler.add(r);
       while (scheduler.step()) {
       }
       stats = scheduler.stats();
     }
+    const pagedkv::PagedCache<Layout>& cache = *caches.full;
     EXPECT_EQ(cache.n_free(), cache.n_pages()) << "pages leaked";
     EXPECT_GT(min_gap_, 2e-4) << "the plain run has a near-tie; change the seeds";
     for (const auto& r : *requests_) {
