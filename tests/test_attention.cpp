@@ -20,6 +20,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "test_support.hpp"
@@ -649,6 +650,374 @@ TEST_P(AttentionTest, BadInputThrowsAndChangesNothing) {
     const auto dview = doubles.bind(table({{pages[0]}}).to(opts().device()), ints({1}).to(opts().device()));
     expect_rejected(doubles, {}, [&] { paged_attention(dview, 0, at::randn({1, 1, 2, 8}, opts(at::kDouble))); },
                     {fn, "float32, float16 or bfloat16", "got Double"});
+  });
+}
+
+// ---- AttentionOptions: window, soft-cap, sinks, tree masks ----
+
+/// softmax over AttentionOptions' rules in float64: scale, soft-cap,
+/// causal within the window (the new tokens as the tree mask says), the
+/// sinks as one more softmax column; a query that sees nothing gives 0.
+/// q: [B, Sq, Hq, D]; k, v: [B, T, H, D] (gathered, T >= every length).
+at::Tensor reference_options(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const std::vector<int64_t>& lengths, const pagedkv::AttentionOptions& o) {
+  const int64_t batch = q.size(0), n_queries = q.size(1), n_heads = q.size(2), D = q.size(3);
+  const double scale = o.scale > 0 ? o.scale : 1.0 / std::sqrt(static_cast<double>(D));
+  std::vector<at::Tensor> outs;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t length = lengths[static_cast<size_t>(b)];
+    const at::Tensor kb = k[b].narrow(0, 0, length).cpu().to(at::kDouble);  // [L, H, D]
+    const at::Tensor vb = v[b].narrow(0, 0, length).cpu().to(at::kDouble);
+    const int64_t group = n_heads / kb.size(1);
+    const at::Tensor qb = q[b].cpu().to(at::kDouble).permute({1, 0, 2});                // [Hq, Sq, D]
+    const at::Tensor ke = kb.repeat_interleave(group, 1).permute({1, 2, 0});            // [Hq, D, L]
+    const at::Tensor ve = vb.repeat_interleave(group, 1).permute({1, 0, 2});            // [Hq, L, D]
+    at::Tensor scores = at::matmul(qb, ke) * scale;                                     // [Hq, Sq, L]
+    if (o.softcap > 0) scores = at::tanh(scores / o.softcap) * o.softcap;
+    const int64_t first_new = length - n_queries;
+    const at::Tensor pos = at::arange(length, at::kLong).view({1, length});
+    const at::Tensor qpos = at::arange(n_queries, at::kLong).view({n_queries, 1}) + first_new;
+    at::Tensor seen;  // [Sq, L]
+    if (o.tree_mask.defined()) {
+      const at::Tensor index = (pos - first_new).clamp(0, n_queries - 1).expand({n_queries, length});
+      const at::Tensor mask = o.tree_mask[b].cpu().gather(1, index);
+      seen = pos.lt(first_new).logical_or(pos.ge(first_new).logical_and(mask));
+    } else {
+      seen = pos.le(qpos);
+    }
+    if (o.window > 0) seen = seen.logical_and(pos.gt(qpos - o.window));
+    const at::Tensor hidden = seen.logical_not().unsqueeze(0);
+    scores.masked_fill_(hidden, -INFINITY);
+    at::Tensor probs;
+    if (o.sinks.defined()) {
+      const at::Tensor sinks = o.sinks.cpu().to(at::kDouble).view({n_heads, 1, 1}).expand({n_heads, n_queries, 1});
+      probs = at::softmax(at::cat({scores, sinks}, -1), -1).narrow(-1, 0, length);
+    } else {
+      probs = at::softmax(scores, -1);
+    }
+    probs = probs.masked_fill(hidden, 0.0);
+    outs.push_back(at::matmul(probs, ve).permute({1, 0, 2}));  // [Sq, Hq, D]
+  }
+  return at::stack(outs);
+}
+
+/// The kernel paths attention runs on for this target: the portable loop
+/// and every vector path (each decode step) on the cpu; the target alone
+/// elsewhere.
+std::vector<KernelPath> option_paths(const pagedkv_test::Target& target) {
+  using pagedkv::cpu::attention::DecodeStep;
+  if (target.device != at::kCPU || target.backend == pagedkv::Backend::generic) {
+    return {KernelPath{pagedkv::simd::Isa::best, DecodeStep::best}};
+  }
+  std::vector<KernelPath> paths{KernelPath{pagedkv::simd::Isa::portable, DecodeStep::best}};
+  for (const KernelPath& p : vector_kernel_paths()) paths.push_back(p);
+  return paths;
+}
+
+/// A cache (one layer) holding random K/V of `lengths` tokens on shuffled
+/// pages, and those K/V as its gather gives them (codes decoded): what the
+/// reference reads.
+template <class L>
+struct OptionsCase {
+  PagedCache<L> cache;
+  std::vector<int64_t> lengths;
+  at::Tensor page_table;  // [B, cols] int64
+  at::Tensor length_t;    // [B] int64
+  at::Tensor k, v;        // [B, max(lengths), H, D], the cache's dtype
+
+  OptionsCase(std::vector<int64_t> lens, int64_t page_size, int64_t kv_heads, int64_t head_dim,
+              at::TensorOptions options, pagedkv::KVQuant quant, uint64_t seed)
+      : cache(1, Filled<L>::pages_needed(lens, page_size, 0) + 1, page_size, kv_heads, head_dim, options, quant),
+        lengths(std::move(lens)) {
+    const auto batch = static_cast<int64_t>(lengths.size());
+    const int64_t cols = Filled<L>::max_cols(lengths, page_size);
+    std::vector<int64_t> pages = cache.alloc_n(cache.n_pages() - 1);
+    std::mt19937_64 rng(seed);
+    std::shuffle(pages.begin(), pages.end(), rng);
+    std::vector<std::vector<int64_t>> rows(static_cast<size_t>(batch), std::vector<int64_t>(cols, -1));
+    size_t next = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t c = 0; c * page_size < lengths[static_cast<size_t>(b)]; ++c) {
+        rows[static_cast<size_t>(b)][static_cast<size_t>(c)] = pages[next++];
+      }
+    }
+    page_table = table(rows).to(options.device());
+    length_t = ints(lengths).to(options.device());
+    at::manual_seed(seed);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t len = lengths[static_cast<size_t>(b)];
+      cache.write(0, page_table.narrow(0, b, 1), 0, at::randn({1, len, kv_heads, head_dim}).to(options),
+                  at::randn({1, len, kv_heads, head_dim}).to(options));
+    }
+    std::tie(k, v) = cache.gather(0, page_table, length_t);
+  }
+
+  at::Tensor attend(const at::Tensor& q, const pagedkv::AttentionOptions& o) {
+    return paged_attention(cache.bind(page_table, length_t), 0, q, o);
+  }
+  at::Tensor expected(const at::Tensor& q, const pagedkv::AttentionOptions& o) const {
+    return reference_options(q, k, v, lengths, o);
+  }
+};
+
+pagedkv::AttentionOptions with_window(int64_t window) {
+  pagedkv::AttentionOptions o;
+  o.window = window;
+  return o;
+}
+
+// The window's edge inside a page and on a page boundary, window 1, a
+// window longer than the context, decode (the decode steps) and prefill
+// chunks that cross the window, page sizes 1, 7, 16, on every kernel path.
+TEST_P(AttentionTest, WindowMatchesReferenceAtEveryEdge) {
+  uint64_t seed = 1200;
+  for (const int64_t page_size : {1, 7, 16}) {
+    for_each_layout([&](auto layout) {
+      using L = decltype(layout);
+      OptionsCase<L> c({9, 16, 23, 40}, page_size, 2, 32, opts(), {}, ++seed);
+      for (const int64_t n_queries : {1, 9}) {
+        const at::Tensor q = at::randn({4, n_queries, 4, 32}).to(opts());
+        for (const int64_t window : {1, 7, 16, 17, 64}) {
+          const at::Tensor expected = c.expected(q, with_window(window));
+          for (const KernelPath& path : option_paths(GetParam())) {
+            const ScopedKernelPath scoped(path);
+            EXPECT_LT(rel_error(c.attend(q, with_window(window)), expected), 1e-5)
+                << L::name << " P=" << page_size << " Sq=" << n_queries << " window=" << window << " " << path.name();
+          }
+        }
+      }
+    });
+  }
+}
+
+// Long contexts split across threads: each split's partial result and
+// their merge see only the window (and a split wholly before it none).
+TEST_P(AttentionTest, WindowOverSplitContexts) {
+  const int previous = at::get_num_threads();
+  at::set_num_threads(4);
+  for_each_layout([&](auto layout) {
+    using L = decltype(layout);
+    OptionsCase<L> c({1500, 700}, 16, 2, 32, opts(), {}, 1300);
+    const at::Tensor q = at::randn({2, 3, 8, 32}).to(opts());
+    for (const int64_t window : {100, 600, 5000}) {
+      for (const KernelPath& path : option_paths(GetParam())) {
+        const ScopedKernelPath scoped(path);
+        EXPECT_LT(rel_error(c.attend(q, with_window(window)), c.expected(q, with_window(window))), 1e-5)
+            << L::name << " window=" << window << " " << path.name();
+      }
+    }
+  });
+  at::set_num_threads(previous);
+}
+
+// A windowed SequenceTable's rows: pages wholly older than every query's
+// window are -1 (and freed); attention with the window reads around them,
+// through a bound view too. A -1 a query can see, or the same table without
+// the window, throws and changes nothing.
+TEST_P(AttentionTest, WindowReadsAroundUnmappedLeadingColumns) {
+  for_each_layout([&](auto layout) {
+    using L = decltype(layout);
+    const std::string fn = std::string("pagedkv::paged_attention<") + L::name + ">";
+    OptionsCase<L> c({30, 13}, 4, 2, 32, opts(), {}, 1400);
+    const at::Tensor q = at::randn({2, 2, 4, 32}).to(opts());
+    const at::Tensor q_decode = at::randn({2, 1, 4, 32}).to(opts());
+    const pagedkv::AttentionOptions o = with_window(6);
+    const at::Tensor expected = c.expected(q, o);
+    const at::Tensor expected_decode = c.expected(q_decode, o);
+    // Earliest windows start at 28 - 6 + 1 = 23 (column 5) and 11 - 6 + 1 = 6
+    // (column 1); a window of 10 starts at 19 (column 4, unmapped).
+    at::Tensor windowed = c.page_table.cpu().clone();
+    for (int64_t col = 0; col < 5; ++col) {
+      c.cache.free(windowed[0][col].template item<int64_t>());
+      windowed[0][col] = -1;
+    }
+    c.cache.free(windowed[1][0].template item<int64_t>());
+    windowed[1][0] = -1;
+    windowed = windowed.to(device());
+    for (const KernelPath& path : option_paths(GetParam())) {
+      const ScopedKernelPath scoped(path);
+      EXPECT_LT(rel_error(paged_attention(c.cache.bind(windowed, c.length_t), 0, q, o), expected), 1e-5)
+          << L::name << " " << path.name();
+      EXPECT_LT(rel_error(paged_attention(c.cache.bind(windowed, c.length_t), 0, q_decode, o), expected_decode), 1e-5)
+          << L::name << " decode, " << path.name();
+    }
+    const std::vector<at::Tensor> inputs = {q, windowed, c.length_t};
+    expect_rejected(c.cache, inputs, [&] { paged_attention(c.cache.bind(windowed, c.length_t), 0, q, with_window(10)); },
+                    {fn, "'page_table'", "page_table[0][4]", "got -1"});
+    expect_rejected(c.cache, inputs, [&] { paged_attention(c.cache.bind(windowed, c.length_t), 0, q); },
+                    {fn, "-1"});
+  });
+}
+
+// Soft-capped logits in the hundreds (the cap bites), decode and prefill,
+// every page dtype on every path (the decode step caps in vectors).
+TEST_P(AttentionTest, SoftcapWithLargeLogitsMatchesReference) {
+  uint64_t seed = 1500;
+  for (const at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    for_each_layout([&](auto layout) {
+      using L = decltype(layout);
+      OptionsCase<L> c({5, 33, 70}, 16, 2, 32, opts(dtype), {}, ++seed);
+      for (const int64_t n_queries : {1, 5}) {
+        const at::Tensor q = (at::randn({3, n_queries, 8, 32}) * 30).to(opts(dtype));
+        for (const double cap : {5.0, 50.0}) {
+          pagedkv::AttentionOptions o;
+          o.softcap = cap;
+          const at::Tensor expected = c.expected(q, o);
+          for (const KernelPath& path : option_paths(GetParam())) {
+            const ScopedKernelPath scoped(path);
+            EXPECT_LT(rel_error(c.attend(q, o), expected), tolerance(dtype))
+                << L::name << " " << dtype << " Sq=" << n_queries << " cap=" << cap << " " << path.name();
+          }
+        }
+      }
+    });
+  }
+}
+
+// Sinks that dominate the softmax (20 against logits ~1), that vanish
+// (-20), and ordinary ones, per query head; over split contexts too.
+TEST_P(AttentionTest, SinksMatchReference) {
+  const int previous = at::get_num_threads();
+  at::set_num_threads(4);
+  for_each_layout([&](auto layout) {
+    using L = decltype(layout);
+    OptionsCase<L> c({3, 40, 1100}, 16, 2, 32, opts(), {}, 1600);
+    pagedkv::AttentionOptions o;
+    o.sinks = at::tensor({20.0f, -20.0f, 0.5f, 3.0f, 0.0f, 8.0f, -1.0f, 2.0f}).to(device());
+    for (const int64_t n_queries : {1, 3}) {
+      const at::Tensor q = at::randn({3, n_queries, 8, 32}).to(opts());
+      const at::Tensor expected = c.expected(q, o);
+      for (const KernelPath& path : option_paths(GetParam())) {
+        const ScopedKernelPath scoped(path);
+        EXPECT_LT(rel_error(c.attend(q, o), expected), 1e-5) << L::name << " Sq=" << n_queries << " " << path.name();
+      }
+    }
+  });
+  at::set_num_threads(previous);
+}
+
+/// [B, Sq, Sq] bool: query i sees new token j iff j is i or an ancestor of
+/// i in a random tree (each node's parent one of the up to `width` nodes
+/// before it, depth at most `depth`).
+at::Tensor random_tree_mask(int64_t batch, int64_t n_queries, int64_t width, int64_t depth, std::mt19937_64& rng) {
+  at::Tensor mask = at::zeros({batch, n_queries, n_queries}, at::kBool);
+  for (int64_t b = 0; b < batch; ++b) {
+    std::vector<int64_t> parent(static_cast<size_t>(n_queries), -1), level(static_cast<size_t>(n_queries), 0);
+    for (int64_t i = 1; i < n_queries; ++i) {
+      for (int tries = 0; tries < 16; ++tries) {
+        const int64_t lo = std::max<int64_t>(0, i - width);
+        const int64_t p = lo + static_cast<int64_t>(rng() % static_cast<uint64_t>(i - lo));
+        if (level[static_cast<size_t>(p)] + 1 < depth || tries == 15) {
+          parent[static_cast<size_t>(i)] = level[static_cast<size_t>(p)] + 1 < depth ? p : parent[static_cast<size_t>(p)];
+          break;
+        }
+      }
+      level[static_cast<size_t>(i)] = parent[static_cast<size_t>(i)] < 0 ? 0 : level[static_cast<size_t>(parent[static_cast<size_t>(i)])] + 1;
+    }
+    for (int64_t i = 0; i < n_queries; ++i) {
+      for (int64_t j = i; j >= 0; j = parent[static_cast<size_t>(j)]) mask[b][i][j] = true;
+    }
+  }
+  return mask;
+}
+
+// Chains (the mask equals causal: the result of no mask), trees of depth 1
+// to 5 and width up to 8, and masks that hide every new token (a query
+// with no older token then returns zeros), on every path.
+TEST_P(AttentionTest, TreeMasksMatchReference) {
+  std::mt19937_64 rng(1700);
+  for_each_layout([&](auto layout) {
+    using L = decltype(layout);
+    for (const int64_t n_queries : {1, 5, 9}) {
+      // The first row has no older tokens: its whole context is the tree.
+      OptionsCase<L> c({n_queries, 20 + n_queries, 50}, 7, 2, 32, opts(), {}, rng());
+      const at::Tensor q = at::randn({3, n_queries, 4, 32}).to(opts());
+      pagedkv::AttentionOptions chain;
+      chain.tree_mask = at::ones({n_queries, n_queries}, at::kBool).tril().expand({3, n_queries, n_queries})
+                            .contiguous().to(device());
+      const at::Tensor plain = c.expected(q, pagedkv::AttentionOptions());
+      for (const KernelPath& path : option_paths(GetParam())) {
+        const ScopedKernelPath scoped(path);
+        const at::Tensor with_chain = c.attend(q, chain);
+        EXPECT_LT(rel_error(with_chain, plain), 1e-6) << L::name << " chain Sq=" << n_queries << " " << path.name();
+        EXPECT_LT(rel_error(with_chain, c.attend(q, pagedkv::AttentionOptions()).cpu().to(at::kDouble)), 1e-6)
+            << L::name << " chain against no mask, Sq=" << n_queries << " " << path.name();
+        for (const int64_t depth : {1, 2, 5}) {
+          pagedkv::AttentionOptions tree;
+          tree.tree_mask = random_tree_mask(3, n_queries, 8, depth, rng).to(device());
+          EXPECT_LT(rel_error(c.attend(q, tree), c.expected(q, tree)), 1e-5)
+              << L::name << " tree depth " << depth << " Sq=" << n_queries << " " << path.name();
+        }
+        pagedkv::AttentionOptions none;
+        none.tree_mask = at::zeros({3, n_queries, n_queries}, at::kBool).to(device());
+        const at::Tensor hidden = c.attend(q, none);
+        EXPECT_LT(rel_error(hidden, c.expected(q, none)), 1e-5) << L::name << " all hidden " << path.name();
+        EXPECT_TRUE(at::equal(hidden[0].cpu(), at::zeros_like(hidden[0]).cpu()))
+            << L::name << " a query that sees nothing returns zeros, " << path.name();
+      }
+    }
+  });
+}
+
+// Every option at once, GQA 4, fp16, on native, fp8 and int8 pages
+// (against the reference over the pages' decoded values).
+TEST_P(AttentionTest, OptionsComposeOnEveryPageFormat) {
+  using pagedkv::KVFormat;
+  std::mt19937_64 rng(1800);
+  for (const KVFormat format : {KVFormat::native, KVFormat::fp8_e4m3, KVFormat::int8}) {
+    for_each_layout([&](auto layout) {
+      using L = decltype(layout);
+      OptionsCase<L> c({6, 29, 47}, 7, 2, 32, opts(at::kHalf), pagedkv::KVQuant{format, format}, rng());
+      for (const int64_t n_queries : {1, 4}) {
+        const at::Tensor q = (at::randn({3, n_queries, 8, 32}) * 4).to(opts(at::kHalf));
+        pagedkv::AttentionOptions o;
+        o.window = 9;
+        o.softcap = 3.0;
+        o.sinks = at::linspace(-2, 4, 8).to(device());
+        const at::Tensor mask = random_tree_mask(3, n_queries, 8, 3, rng).to(device());
+        o.tree_mask = mask;
+        const at::Tensor expected = c.expected(q, o);
+        pagedkv::AttentionOptions unmasked = o;  // the decode step's path too
+        unmasked.tree_mask = at::Tensor();
+        const at::Tensor expected_unmasked = c.expected(q, unmasked);
+        for (const KernelPath& path : option_paths(GetParam())) {
+          const ScopedKernelPath scoped(path);
+          EXPECT_LT(rel_error(c.attend(q, o), expected), 2e-2)
+              << L::name << " " << pagedkv::format_name(format) << " Sq=" << n_queries << " " << path.name();
+          EXPECT_LT(rel_error(c.attend(q, unmasked), expected_unmasked), 2e-2)
+              << L::name << " " << pagedkv::format_name(format) << " no mask, Sq=" << n_queries << " " << path.name();
+        }
+      }
+    });
+  }
+}
+
+TEST_P(AttentionTest, BadOptionsThrowAndChangeNothing) {
+  for_each_layout([&](auto layout) {
+    using L = decltype(layout);
+    const std::string fn = std::string("pagedkv::paged_attention<") + L::name + ">";
+    OptionsCase<L> c({5, 9}, 4, 2, 8, opts(), {}, 1900);
+    const auto view = c.cache.bind(c.page_table, c.length_t);
+    const at::Tensor q = at::randn({2, 2, 4, 8}).to(opts());
+    const std::vector<at::Tensor> inputs = {q, c.page_table, c.length_t};
+    const auto rejects = [&](const std::function<void(pagedkv::AttentionOptions&)>& set,
+                             const std::vector<std::string>& phrases) {
+      pagedkv::AttentionOptions o;
+      set(o);
+      expect_rejected(c.cache, inputs, [&] { paged_attention(view, 0, q, o); }, phrases);
+    };
+    rejects([](auto& o) { o.window = -1; }, {fn, "'options.window'", ">= 0", "got -1"});
+    rejects([](auto& o) { o.softcap = -1.0; }, {fn, "'options.softcap'", "got -1"});
+    rejects([](auto& o) { o.softcap = std::nan(""); }, {fn, "'options.softcap'", "finite"});
+    rejects([](auto& o) { o.softcap = INFINITY; }, {fn, "'options.softcap'", "finite"});
+    rejects([&](auto& o) { o.sinks = at::zeros({3}).to(device()); }, {fn, "'options.sinks'", "[4]", "got [3]"});
+    rejects([&](auto& o) { o.sinks = at::zeros({4}, at::kDouble).to(device()); },
+            {fn, "'options.sinks'", "float32", "Double"});
+    rejects([&](auto& o) { o.tree_mask = at::ones({2, 2, 3}, at::kBool).to(device()); },
+            {fn, "'options.tree_mask'", "[2, 2, 2]", "got [2, 2, 3]"});
+    rejects([&](auto& o) { o.tree_mask = at::ones({2, 2, 2}, at::kByte).to(device()); },
+            {fn, "'options.tree_mask'", "bool", "Byte"});
+    rejects([&](auto& o) { o.scale = INFINITY; }, {fn, "'scale'", "finite"});
   });
 }
 

@@ -20,4 +20,4 @@
   PREFIX template void pagedkv::cpu::attention::paged_attention_cpu_impl<T>(                               \
       const pagedkv::AnyPageTableRef&, const std::vector<int64_t>&, const float*, const T*, float, T*,       \
       const pagedkv::cpu::attention::KVSide&, const pagedkv::cpu::attention::KVSide&,                    \
-      const pagedkv::PageGeometry&, int64_t, int64_t);
+      const pagedkv::PageGeometry&, int64_t, int64_t, const pagedkv::cpu::attention::RawOptions&);

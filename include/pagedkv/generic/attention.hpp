@@ -38,8 +38,11 @@ at::Tensor paged_attention_generic(const PageTableRef<Index>& table,     // [B, 
 }
 
 /// The softmax part of paged_attention_generic over k, v already gathered
-/// ([B, T, H, D], T = max(lengths), zeros past a length): what a cache with
-/// quantized pages gives from its own (dequantizing) gather.
+/// ([B, T, H, D], T = max(lengths), zeros past a length and in unmapped
+/// pages): what a cache with quantized pages gives from its own
+/// (dequantizing) gather. Every option as AttentionOptions says: the
+/// window, the tree mask and causality as one [B, Sq, T] mask, the soft-cap
+/// on the scaled logits, the sinks as one more column of the softmax.
 inline at::Tensor attention_over_gathered(const std::pair<at::Tensor, at::Tensor>& kv,
                                           const std::vector<int64_t>& lengths,  // [B]
                                           const at::Tensor& q,                  // [B, Sq, n_heads, D]
@@ -54,13 +57,38 @@ inline at::Tensor attention_over_gathered(const std::pair<at::Tensor, at::Tensor
   const at::Tensor qf = q.to(at::kFloat).reshape({batch, n_queries, g.n_heads, group, D}).permute({0, 2, 1, 3, 4})
                             .reshape({batch, g.n_heads, n_queries * group, D});
   at::Tensor scores = at::matmul(qf, k).mul_(scale).view({batch, g.n_heads, n_queries, group, n_tokens});
-  // Query s of sequence b sits at lengths[b] - Sq + s and sees positions <= it.
-  const at::Tensor positions = at::arange(n_tokens, q.options().dtype(at::kLong));               // [T]
-  const at::Tensor last = generic::host_index(lengths, q.device()).view({batch, 1}) - n_queries +
-                          at::arange(n_queries, q.options().dtype(at::kLong)).view({1, n_queries});  // [B, Sq]
-  const at::Tensor hidden = positions.view({1, 1, n_tokens}).gt(last.unsqueeze(2));              // [B, Sq, T]
-  scores.masked_fill_(hidden.view({batch, 1, n_queries, 1, n_tokens}), -std::numeric_limits<double>::infinity());
-  const at::Tensor probs = at::softmax(scores, -1).view({batch, g.n_heads, n_queries * group, n_tokens});
+  if (options.softcap > 0.0) scores = at::tanh(scores / options.softcap) * options.softcap;
+  // Query s of sequence b sits at lengths[b] - Sq + s and sees positions <= it
+  // (from its window's start); the new tokens as the tree mask says.
+  const at::TensorOptions index_options = q.options().dtype(at::kLong);
+  const at::Tensor positions = at::arange(n_tokens, index_options).view({1, 1, n_tokens});                   // [1, 1, T]
+  const at::Tensor first_new = generic::host_index(lengths, q.device()).view({batch, 1, 1}) - n_queries;     // [B, 1, 1]
+  const at::Tensor query_pos = first_new + at::arange(n_queries, index_options).view({1, n_queries, 1});     // [B, Sq, 1]
+  at::Tensor seen;  // [B, Sq, T] bool
+  if (options.tree_mask.defined()) {
+    const at::Tensor new_index = positions - first_new;                                                       // [B, 1, T]
+    const at::Tensor is_new = new_index.ge(0).logical_and(new_index.lt(n_queries));
+    const at::Tensor mask = options.tree_mask.to(q.device()).gather(
+        2, new_index.clamp(0, n_queries - 1).expand({batch, n_queries, n_tokens}));                          // [B, Sq, T]
+    seen = positions.lt(first_new).logical_or(is_new.logical_and(mask));
+  } else {
+    seen = positions.le(query_pos);
+  }
+  if (options.window > 0) seen = seen.logical_and(positions.gt(query_pos - options.window));
+  const at::Tensor hidden = seen.logical_not().view({batch, 1, n_queries, 1, n_tokens});
+  scores.masked_fill_(hidden, -std::numeric_limits<double>::infinity());
+  at::Tensor probs;
+  if (options.sinks.defined()) {
+    // One more column per query head: its sink logit, which takes weight
+    // and gives no value.
+    const at::Tensor sinks = options.sinks.to(q.device(), at::kFloat).view({1, g.n_heads, 1, group, 1})
+                                 .expand({batch, g.n_heads, n_queries, group, 1});
+    probs = at::softmax(at::cat({scores, sinks}, -1), -1).narrow(-1, 0, n_tokens);
+  } else {
+    probs = at::softmax(scores, -1);
+  }
+  // A query that sees no key: softmax over -inf only is NaN; its output is 0.
+  probs = probs.masked_fill(hidden, 0.0).reshape({batch, g.n_heads, n_queries * group, n_tokens});
   const at::Tensor out = at::matmul(probs, v);  // [B, H, Sq * G, D]
   return out.view({batch, g.n_heads, n_queries, group, D})
       .permute({0, 2, 1, 3, 4})

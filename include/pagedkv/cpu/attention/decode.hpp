@@ -149,10 +149,12 @@ void run_decode_step(int64_t rows, const typename Step::template Operands<T>& st
 
 /// Whether problem `pr` (a Problem<T>, kernel.hpp) takes the decode path,
 /// on an Ops whose DecodeStepOf is available: native pages, or both sides
-/// quantized in one format.
+/// quantized in one format; no tree mask (a decode's one-token mask is the
+/// general loop's). A window needs nothing here (the plan's items start at
+/// it), soft-cap is the step's, sinks are kernel.hpp's write_rows.
 template <class Pr>
 bool takes_decode_path(const Pr& pr) noexcept {
-  return pr.n_queries == 1 && pr.k.format == pr.v.format && pr.g.head_dim % 16 == 0;
+  return pr.n_queries == 1 && pr.k.format == pr.v.format && pr.g.head_dim % 16 == 0 && pr.tree_mask == nullptr;
 }
 
 /// One work item on the decode path with pages of E: T (native) or a code
@@ -255,7 +257,8 @@ void decode_item_of(const Pr& pr, const Work& w,
               token_scales,
               // bf16 dot products only, where E is T.
               std::is_same<E, T>::value ? reinterpret_cast<const E*>(q_item_given + r0 * D) : nullptr,
-              pr.scale};
+              pr.scale,
+              pr.softcap};
         };
         if constexpr (std::is_same<E, simd::E4m3Code>::value) {
           if (G > Step::kRows && D <= Step::kMaxWidenedDim) {  // the head's codes widened once for all G rows

@@ -139,6 +139,7 @@ struct Avx2Decode {
     const E* q_given;         // [R, D]: the rows' query vectors as given, not scaled (bf16 dot products)
     // cppcheck-suppress unusedStructMember
     float scale;              // q = q_given * scale
+    float softcap;            // > 0: scores become softcap * tanh(score / softcap) before the softmax
   };
 
   /// Lines read ahead per key scored and per 16 columns of values added
@@ -246,7 +247,8 @@ struct Avx2Decode {
             st.v_scales,
             st.scale_stride,
             nullptr,  // q_given: bf16 steps only
-            st.scale};
+            st.scale,
+            st.softcap};
   }
 
   /// Step's passes of R rows over widened keys; after the softmax, the
@@ -377,6 +379,7 @@ struct Avx2Decode {
     const int64_t n = st.n;
     const int64_t pairs = (n + 1) / 2;
     const bool odd = (n & 1) != 0;
+    if (st.softcap > 0.0f) soft_cap(scores, pairs * 2 * kRows, st.softcap);
     // Scores are read as score() stored them, 4 floats (one key) at a time:
     // an 8-float load across two such stores is not forwarded from them and
     // waits for both to reach the cache.
@@ -419,6 +422,26 @@ struct Avx2Decode {
       st.max[r] = state[0][r];
       st.sum[r] = state[1][r];
       if (factor[r] != 1.0f) simd::Avx2::scale(st.acc + r * st.head_dim, factor[r], st.head_dim);
+    }
+  }
+
+  /// x[j] = cap * tanh(x[j] / cap) for j < n (a multiple of 8), with
+  /// tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2 |y|) <= 1: Gemma 2's
+  /// soft-cap at the cost of an exponent per score, which the step already
+  /// pays once (bench/NOTES.md, "Soft-cap, sinks and windows in the decode
+  /// step").
+  PAGEDKV_TARGET_AVX2 static void soft_cap(float* x, int64_t n, float cap) noexcept {
+    const __m256 inverse = _mm256_set1_ps(1.0f / cap);
+    const __m256 capv = _mm256_set1_ps(cap);
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t j = 0; j < n; j += 8) {
+      const __m256 y = _mm256_mul_ps(_mm256_load_ps(x + j), inverse);
+      const __m256 magnitude = _mm256_andnot_ps(sign_bit, y);
+      const __m256 e = simd::Avx2::exp_non_positive(_mm256_mul_ps(magnitude, _mm256_set1_ps(-2.0f)));
+      const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+      const __m256 signed_t = _mm256_or_ps(t, _mm256_and_ps(sign_bit, y));
+      _mm256_store_ps(x + j, _mm256_mul_ps(signed_t, capv));
     }
   }
 

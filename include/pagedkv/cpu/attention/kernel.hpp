@@ -62,6 +62,14 @@ inline float code_unit(KVFormat format) noexcept {
   return format == KVFormat::fp8_e4m3 ? simd::kE4m3ViaHalfFactor : 1.0f;
 }
 
+/// AttentionOptions beyond the scale, on raw pointers.
+struct RawOptions {
+  int64_t window = 0;              // 0: none
+  float softcap = 0.0f;            // 0: none
+  const float* sinks = nullptr;    // [n_heads], or null
+  const bool* tree_mask = nullptr; // [B, Sq, Sq], contiguous, or null
+};
+
 /// Raw operands of one call.
 template <class T>
 struct Problem {
@@ -84,7 +92,39 @@ struct Problem {
   int64_t group;      // n_heads / n_kv_heads
   // cppcheck-suppress unusedStructMember
   bool wide_decode_step;  // the AVX-512 path's decode step is the 512-bit one (decode.hpp)
+  int64_t window;         // 0, or the keys [p - window + 1, p] the query at p sees
+  float softcap;          // 0, or the cap of the scaled logits
+  const float* sinks;     // [n_heads], or null: each query head's sink logit
+  const bool* tree_mask;  // [B, Sq, Sq], contiguous, or null: which new tokens each query sees
 };
+
+/// Which keys of a block [t0, t0 + n) the query at `s` (position
+/// first_pos + s) sees: slots [skip, visible), those of them that are new
+/// tokens further filtered by the tree mask (tree_mask_row, else null).
+struct BlockVisibility {
+  int64_t skip;               // slots before the query's window
+  int64_t visible;            // slots through the last key the query may see
+  const bool* tree_mask_row;  // [Sq]: mask row of the query, or null
+};
+
+template <class T>
+BlockVisibility block_visibility(const Problem<T>& pr, int64_t b, int64_t s, int64_t first_pos, int64_t t0,
+                                 int64_t n) {
+  const int64_t pos = first_pos + s;
+  const int64_t end = pr.tree_mask != nullptr ? first_pos + pr.n_queries : pos + 1;
+  const int64_t first = pr.window > 0 ? pos - pr.window + 1 : t0;
+  const int64_t visible = std::max<int64_t>(0, std::min(n, end - t0));
+  const int64_t skip = std::min(visible, std::max<int64_t>(0, first - t0));
+  const bool* row = pr.tree_mask != nullptr ? pr.tree_mask + (b * pr.n_queries + s) * pr.n_queries : nullptr;
+  return {skip, visible, row};
+}
+
+/// x[j] = cap * tanh(x[j] / cap) for j < n: Gemma 2's logit soft-cap.
+inline void soft_cap(float* x,  // [n]
+                     int64_t n, float cap) noexcept {
+  const float inverse = 1.0f / cap;
+  for (int64_t j = 0; j < n; ++j) x[j] = cap * std::tanh(x[j] * inverse);
+}
 
 /// Per-thread buffers, kept between calls (at::parallel_for's threads
 /// persist), so that a decode step allocates nothing per thread.
@@ -287,13 +327,30 @@ struct BlockRows {
   float* v_scales;  // [nh, kKeyBlock]
 };
 
-/// Writes one finished row: out = acc / sum.
+/// Writes one finished row: out = acc / sum, with the head's sink logit
+/// (sinks: its address, else null) joining the denominator: acc and sum
+/// are relative to exp(max), so the sink adds exp(sink - max), computed
+/// against the larger of the two so that neither overflows. A row that saw
+/// no key (sum 0) is zeros.
 template <class T>
 void store_row(T* out,            // [D]
                const float* acc,  // [D]
-               float sum, int64_t head_dim) {
-  const float inv = 1.0f / sum;
+               float max, float sum, const float* sink, int64_t head_dim) {
+  float inv = 0.0f;
+  if (sink != nullptr) {
+    const float top = std::max(max, *sink);
+    const float kept = sum > 0.0f ? std::exp(max - top) : 0.0f;  // acc and sum's factor
+    inv = kept / (sum * kept + std::exp(*sink - top));
+  } else if (sum > 0.0f) {
+    inv = 1.0f / sum;
+  }
   for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<T>(acc[d] * inv);
+}
+
+/// The sink logit of query head `head`, or null.
+template <class Pr>
+const float* sink_of(const Pr& pr, int64_t head) noexcept {
+  return pr.sinks != nullptr ? pr.sinks + head : nullptr;
 }
 
 /// x[j] *= factor[j] for j < n.
@@ -319,7 +376,9 @@ void write_rows(const Problem<T>& pr, const Work& w,
         const int64_t r = ((s - w.s0) * w.nh + h) * G + i;
         const float* acc = acc_all + r * D;
         if (w.partial < 0) {
-          store_row(pr.out + ((w.b * pr.n_queries + s) * pr.n_heads + (w.h0 + h) * G + i) * D, acc, sum[r], D);
+          const int64_t head = (w.h0 + h) * G + i;
+          store_row(pr.out + ((w.b * pr.n_queries + s) * pr.n_heads + head) * D, acc, max[r], sum[r],
+                    sink_of(pr, head), D);
         } else {
           float* dst = pr.partials + (w.partial + r) * (D + 2);
           dst[0] = max[r];
@@ -391,9 +450,23 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
     prefetch_scales(pr, pr.k, w.b, w.h0, w.nh, t_scales, std::min(simd::kKeyBlock, w.t1 - t_scales));
     prefetch_scales(pr, pr.v, w.b, w.h0, w.nh, t_scales, std::min(simd::kKeyBlock, w.t1 - t_scales));
     for (int64_t s = w.s0; s < w.s1; ++s) {
-      // Causal: query s (at position first_pos + s) sees keys <= its position.
-      const int64_t visible = std::min(n, first_pos + s + 1 - t0);
-      if (visible <= 0) continue;
+      // Causal: query s (at position first_pos + s) sees keys <= its position
+      // (from its window's start; the new ones as the tree mask says).
+      const BlockVisibility seen = block_visibility(pr, w.b, s, first_pos, t0, n);
+      const int64_t visible = seen.visible;
+      const int64_t skip = seen.skip;
+      // The new tokens of the block the tree mask hides from the query: slots
+      // [mask_from, visible) are filtered by the mask row.
+      const int64_t mask_from = std::max(skip, first_pos - t0);
+      if (seen.tree_mask_row != nullptr) {
+        bool any = skip < std::min(visible, mask_from);
+        for (int64_t j = std::max<int64_t>(mask_from, 0); j < visible && !any; ++j) {
+          any = seen.tree_mask_row[t0 + j - first_pos];
+        }
+        if (!any) continue;
+      } else if (visible <= skip) {
+        continue;
+      }
       // The G query heads of each kv head, up to kRowsAtOnce at a time: each
       // key and value vector is loaded once for all of them.
       for (int64_t i0 = 0; i0 < G; i0 += simd::kRowsAtOnce) {
@@ -422,16 +495,33 @@ void run_item(const Problem<T>& pr, const Work& w, Scratch& sc) {
           for (int i = 0; i < group_rows; ++i) {
             float* scores = scores_all + h * kHeadScores + i * simd::kKeyBlock;
             if (k_scales != nullptr) multiply_by(scores, k_scales, visible);
+            if (pr.softcap > 0.0f) soft_cap(scores + skip, visible - skip, pr.softcap);
+            // Keys the tree mask hides: -inf before the maximum, 0 after the
+            // exponent (whose vector form gives ~1e-38 for -inf).
+            const auto hidden = [&](int64_t j) {
+              return seen.tree_mask_row != nullptr && j >= mask_from && !seen.tree_mask_row[t0 + j - first_pos];
+            };
+            if (seen.tree_mask_row != nullptr) {
+              for (int64_t j = std::max<int64_t>(mask_from, 0); j < visible; ++j) {
+                if (hidden(j)) scores[j] = -std::numeric_limits<float>::infinity();
+              }
+            }
             const int64_t r = r0(h) + i;
             float* acc = acc_all + r * D;
-            const float block_max = Ops::max(scores, visible);
+            const float block_max = Ops::max(scores + skip, visible - skip);
             if (block_max > max[r]) {
               const float correction = std::exp(max[r] - block_max);  // 0 on the first block
               sum[r] *= correction;
               Ops::scale(acc, correction, D);
               max[r] = block_max;
             }
-            sum[r] += Ops::exp_sum(scores, visible, max[r]);
+            sum[r] += Ops::exp_sum(scores + skip, visible - skip, max[r]);
+            std::fill(scores, scores + skip, 0.0f);  // before the window: no weight
+            if (seen.tree_mask_row != nullptr) {
+              for (int64_t j = std::max<int64_t>(mask_from, 0); j < visible; ++j) {
+                if (hidden(j)) scores[j] = 0.0f;
+              }
+            }
             if (v_scales != nullptr) multiply_by(scores, v_scales, visible);  // the weight the codes need
           }
         }
@@ -539,7 +629,9 @@ void merge_tile(const Pr& pr, const SplitTile& t, float* acc /* [D] */) {
           const float* __restrict src = part + 2;
           for (int64_t d = 0; d < D; ++d) acc[d] += weight * src[d];
         }
-        store_row(pr.out + ((t.b * pr.n_queries + s) * pr.n_heads + (t.h0 + h) * G + i) * D, acc, sum, D);
+        const int64_t head = (t.h0 + h) * G + i;
+        store_row(pr.out + ((t.b * pr.n_queries + s) * pr.n_heads + head) * D, acc, max, sum, sink_of(pr, head),
+                  D);
       }
     }
   }
@@ -556,14 +648,16 @@ void paged_attention_cpu_impl(const AnyPageTableRef& table,         // [B, max_p
                               T* out,                               // [B, Sq, n_heads, D], contiguous
                               const KVSide& k,                      // one layer's keys
                               const KVSide& v,                      // one layer's values
-                              const PageGeometry& g, int64_t n_queries, int64_t n_heads) {
+                              const PageGeometry& g, int64_t n_queries, int64_t n_heads, const RawOptions& extra) {
   const int64_t group = n_heads / g.n_heads;
-  const Plan p = plan(lengths, n_queries, group, g.n_heads, at::get_num_threads());
+  const Plan p = plan(lengths, n_queries, group, g.n_heads, at::get_num_threads(), extra.window,
+                      extra.tree_mask != nullptr);
   std::vector<float> partials(static_cast<size_t>(p.partial_rows * (g.head_dim + 2)));
   const simd::Isa isa = simd::selected_isa();  // decided on the calling thread (ScopedIsa is per thread), as is
   const bool wide_decode_step = isa == simd::Isa::avx512 && takes_wide_decode_step();  // (ScopedDecodeStep)
-  const Problem<T> pr{table, lengths.data(), q, q_given, scale, out, k, v, partials.data(), g, n_queries, n_heads, group,
-                      wide_decode_step};
+  const Problem<T> pr{table,     lengths.data(), q,         q_given,       scale,         out,
+                      k,         v,              partials.data(), g,     n_queries,     n_heads,
+                      group,     wide_decode_step, extra.window, extra.softcap, extra.sinks, extra.tree_mask};
   at::parallel_for(0, static_cast<int64_t>(p.work.size()), 1, [&](int64_t begin, int64_t end) {
     run_items_with(isa, pr, p, begin, end);
   });
@@ -591,21 +685,30 @@ at::Tensor paged_attention_cpu(const Table& typed_table,              // [B, max
   const at::Tensor qf = q.to(at::kFloat).mul(scale).contiguous();  // [B, Sq, n_heads, D]
   const at::Tensor q_given = q.contiguous();                         // [B, Sq, n_heads, D]
   const auto scale_f = static_cast<float>(scale);
+  // The options' tensors as the kernel reads them: contiguous, on the cpu
+  // (checked: sinks float32, tree_mask bool).
+  const at::Tensor sinks = options.sinks.defined() ? options.sinks.contiguous() : at::Tensor();
+  const at::Tensor tree_mask = options.tree_mask.defined() ? options.tree_mask.contiguous() : at::Tensor();
+  RawOptions extra;
+  extra.window = options.window;
+  extra.softcap = static_cast<float>(options.softcap);
+  extra.sinks = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
+  extra.tree_mask = tree_mask.defined() ? tree_mask.data_ptr<bool>() : nullptr;
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t n_queries = q.size(1);
   const int64_t n_heads = q.size(2);
   switch (q.scalar_type()) {
     case at::kHalf:
       paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), q_given.data_ptr<c10::Half>(), scale_f,
-                               out.data_ptr<c10::Half>(), k, v, g, n_queries, n_heads);
+                               out.data_ptr<c10::Half>(), k, v, g, n_queries, n_heads, extra);
       break;
     case at::kBFloat16:
       paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), q_given.data_ptr<c10::BFloat16>(), scale_f,
-                               out.data_ptr<c10::BFloat16>(), k, v, g, n_queries, n_heads);
+                               out.data_ptr<c10::BFloat16>(), k, v, g, n_queries, n_heads, extra);
       break;
     default:
       paged_attention_cpu_impl(table, lengths, qf.data_ptr<float>(), q_given.data_ptr<float>(), scale_f,
-                               out.data_ptr<float>(), k, v, g, n_queries, n_heads);
+                               out.data_ptr<float>(), k, v, g, n_queries, n_heads, extra);
       break;
   }
   return out;

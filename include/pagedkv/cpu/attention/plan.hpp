@@ -41,12 +41,30 @@ struct Plan {
   int64_t heads = 1;             ///< kv heads per work item
 };
 
+/// The keys [first, end) the queries [s0, s1) of a row read, query 0 at
+/// position first_pos: causal, from the earliest query's window start
+/// (window > 0), through the last new token where a tree mask may show a
+/// query later new tokens.
+struct KeyRange {
+  int64_t first;
+  int64_t end;
+};
+
+inline KeyRange tile_keys(int64_t first_pos, int64_t s0, int64_t s1, int64_t n_queries, int64_t window,
+                          bool tree_mask) {
+  const int64_t first = window > 0 ? std::max<int64_t>(0, first_pos + s0 - window + 1) : 0;
+  return {first, first_pos + (tree_mask ? n_queries : s1)};
+}
+
 /// Tiles the queries (and kv heads) and splits each tile's keys so that the
 /// work items keep `n_threads` threads busy with about equal work.
 /// Decode and short chunks take every kv head in one item: the item then
-/// reads whole tokens (NHD) or whole pages (HND), contiguous memory.
+/// reads whole tokens (NHD) or whole pages (HND), contiguous memory. A
+/// tile's keys are those tile_keys gives: a windowed decode's items cover
+/// its window, not its context.
 inline Plan plan(const std::vector<int64_t>& lengths,  // [B], each >= n_queries >= 1
-                 int64_t n_queries, int64_t group, int64_t n_kv_heads, int64_t n_threads) {
+                 int64_t n_queries, int64_t group, int64_t n_kv_heads, int64_t n_threads, int64_t window = 0,
+                 bool tree_mask = false) {
   Plan p;
   int64_t tile = n_queries;
   if (n_queries * group * n_kv_heads <= simd::kRowsPerTile) {
@@ -58,8 +76,13 @@ inline Plan plan(const std::vector<int64_t>& lengths,  // [B], each >= n_queries
   p.max_rows = tile * group * p.heads;
   // Keys read x kv heads, over every tile: the total work.
   int64_t total = 0;
-  for (const int64_t length : lengths)
-    for (int64_t s0 = 0; s0 < n_queries; s0 += tile) total += length - n_queries + std::min(s0 + tile, n_queries);
+  for (const int64_t length : lengths) {
+    for (int64_t s0 = 0; s0 < n_queries; s0 += tile) {
+      const KeyRange keys = tile_keys(length - n_queries, s0, std::min(s0 + tile, n_queries), n_queries, window,
+                                      tree_mask);
+      total += keys.end - keys.first;
+    }
+  }
   total *= n_kv_heads;
   const int64_t target_items = n_threads <= 1 ? 1 : 4 * n_threads;
   int64_t chunk = std::max(simd::kMinSplitTokens, (total + target_items - 1) / target_items / p.heads);
@@ -69,8 +92,8 @@ inline Plan plan(const std::vector<int64_t>& lengths,  // [B], each >= n_queries
     const int64_t first_pos = lengths[static_cast<size_t>(b)] - n_queries;  // position of query 0
     for (int64_t s0 = 0; s0 < n_queries; s0 += tile) {
       const int64_t s1 = std::min(s0 + tile, n_queries);
-      const int64_t keys = first_pos + s1;  // the tile's last query sees [0, keys)
-      const int64_t n_splits = (keys + chunk - 1) / chunk;
+      const KeyRange keys = tile_keys(first_pos, s0, s1, n_queries, window, tree_mask);
+      const int64_t n_splits = (keys.end - keys.first + chunk - 1) / chunk;
       const int64_t rows = (s1 - s0) * group * p.heads;
       for (int64_t h0 = 0; h0 < n_kv_heads; h0 += p.heads) {
         const int64_t partial = n_splits > 1 ? p.partial_rows : -1;
@@ -79,8 +102,8 @@ inline Plan plan(const std::vector<int64_t>& lengths,  // [B], each >= n_queries
           p.partial_rows += n_splits * rows;
         }
         for (int64_t i = 0; i < n_splits; ++i) {
-          p.work.push_back({b, s0, s1, h0, p.heads, i * chunk, std::min((i + 1) * chunk, keys),
-                            n_splits > 1 ? partial + i * rows : -1});
+          p.work.push_back({b, s0, s1, h0, p.heads, keys.first + i * chunk,
+                            std::min(keys.first + (i + 1) * chunk, keys.end), n_splits > 1 ? partial + i * rows : -1});
         }
       }
     }
