@@ -315,7 +315,9 @@ inline LlamaConfig parse_config(const std::string& file, const std::string& text
     if (qwen) s = l >= max_window_layers;
     if (family == "gemma2") s = (l + 1) % 2 != 0;
     if (family == "gemma3_text") s = (l + 1) % pattern != 0;
-    rule[static_cast<size_t>(l)] = s && c.sliding_window > 0;
+    // transformers' rule for Gemma does not look at the window (a null one
+    // is refused below); Mistral's and Qwen's slide only with one.
+    rule[static_cast<size_t>(l)] = s && (gemma || c.sliding_window > 0);
   }
   c.sliding = family == "llama" || family == "mistral" ? rule : config_detail::read_layer_types(f, c, rule);
   if (c.sliding_window == 0 && c.n_sliding_layers() > 0) {
