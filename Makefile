@@ -67,14 +67,15 @@ clean:
 # It also installs the pinned transformers (examples/llama/
 # requirements-transformers.txt) into TRANSFORMERS_PREFIX, reused the same
 # way (scripts/install-transformers), for examples/llama's comparison with
-# transformers, which runs here: against the torch the example is built with.
+# transformers, which runs here: against the torch the example is built with,
+# and for the Python package's test_transformers.py (pagedkv.transformers).
 TORCH2_VERSION ?= 2.15.0
 TORCH2_PREFIX ?= /opt/pagedkv-torch2
 TRANSFORMERS_PREFIX ?= /opt/pagedkv-transformers
 BUILD_TORCH2 ?= build-torch2
 test-torch2: deps
 	TRANSFORMERS_PREFIX=$(TRANSFORMERS_PREFIX) ./scripts/test-torch2 $(TORCH2_PREFIX) $(TORCH2_VERSION) $(BUILD_TORCH2) $(JOBS) $(CMAKE_ARGS)
-	./scripts/test-python torch2 $(BUILD_TORCH2) $(JOBS) $(TORCH2_PREFIX) $(TORCH2_VERSION)
+	TRANSFORMERS_PREFIX=$(TRANSFORMERS_PREFIX) ./scripts/test-python torch2 $(BUILD_TORCH2) $(JOBS) $(TORCH2_PREFIX) $(TORCH2_VERSION)
 
 # ---- Python (python/, package pagedkv; make test and make test-torch2 run these) ----
 
@@ -86,7 +87,7 @@ test-python: test-python-debian test-python-torch2
 test-python-debian:
 	./scripts/test-python debian $(BUILD) $(JOBS) $(PYTEST_ARGS)
 test-python-torch2:
-	./scripts/test-python torch2 $(BUILD_TORCH2) $(JOBS) $(TORCH2_PREFIX) $(TORCH2_VERSION) $(PYTEST_ARGS)
+	TRANSFORMERS_PREFIX=$(TRANSFORMERS_PREFIX) ./scripts/test-python torch2 $(BUILD_TORCH2) $(JOBS) $(TORCH2_PREFIX) $(TORCH2_VERSION) $(PYTEST_ARGS)
 
 # The original Python PagedCache against pagedkv.PagedCache from Python
 # (bench/python_bench.py), against Debian's torch 1.13 (the venv of

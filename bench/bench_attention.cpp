@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -233,6 +234,126 @@ void register_layout(const std::string& layout) {
   }
 }
 
+// ---- Attention options (issues 51 and 52): what each option costs beside
+// the plain decode of the same shape, in the same run. fp16, 32 query heads,
+// 8 kv heads x 128, page 16, shuffled pages; both layouts.
+//   window1024/B32xT32768: a decode at position 32767 with window 1024 on a
+//     windowed table's rows (only the window's 64 pages mapped, the 1984
+//     columns before them -1), beside plain/B32xT1024 (an unwindowed decode
+//     over 1024 tokens: the target is at most 1.3x its time);
+//   softcap50 and sinks on B32xT2048, beside plain/B32xT2048 (at most 1.1x);
+//   verify{5,9}/{causal,chain,tree}: 1 + K = 5 or 9 query tokens a sequence
+//     (speculative decoding's verify pass), causal without a mask, with a
+//     chain mask (equal to causal) and with a tree mask, beside the plain
+//     single-token decode (the target is at most 1.3x).
+// Every row's memcpy limit is the K/V bytes it reads.
+
+struct OptionsSpec {
+  std::string name;
+  int64_t batch;
+  int64_t tokens;          ///< every sequence's length, the new tokens included
+  int64_t mapped_tokens;   ///< the last mapped_tokens are on pages; the columns before are -1
+  int64_t n_queries = 1;
+  enum class Mask { none, chain, tree } mask = Mask::none;
+  pagedkv::AttentionOptions options;
+};
+
+template <class Layout>
+struct OptionsFixture {
+  explicit OptionsFixture(const OptionsSpec& spec) {
+    const int64_t cols = pages_for(spec.tokens);
+    const int64_t mapped = pages_for(spec.mapped_tokens);
+    cache = std::make_unique<PagedCache<Layout>>(1, spec.batch * mapped, kPageSize, kHeads, kHeadDim,
+                                                 at::TensorOptions().dtype(at::kHalf));
+    const at::Tensor pages = shuffled_page_table(cache->pool(), spec.batch, mapped, 23);  // [B, mapped]
+    at::manual_seed(22);
+    cache->write(0, pages, 0, at::randn({spec.batch, mapped * kPageSize, kHeads, kHeadDim}).to(at::kHalf),
+                 at::randn({spec.batch, mapped * kPageSize, kHeads, kHeadDim}).to(at::kHalf));
+    table = at::full({spec.batch, cols}, -1, pages.options());
+    table.narrow(1, cols - mapped, mapped).copy_(pages);
+    lengths = at::full({spec.batch}, spec.tokens, at::kLong);
+    q = at::randn({spec.batch, spec.n_queries, kQueryHeads, kHeadDim}).to(at::kHalf);
+    options = spec.options;
+    if (spec.mask != OptionsSpec::Mask::none) {
+      const int64_t n = spec.n_queries;
+      at::Tensor mask = at::ones({n, n}, at::kBool).tril();
+      if (spec.mask == OptionsSpec::Mask::tree) {
+        // Two branches under the first draft token: 0 <- 1 <- 2 <- ..., and
+        // every second token after the first starts a sibling of its predecessor.
+        mask = at::eye(n, at::kBool);
+        for (int64_t i = 1; i < n; ++i) {
+          const int64_t parent = i % 2 == 0 ? i - 2 : i - 1;
+          mask[i] = mask[i].logical_or(mask[parent < 0 ? 0 : parent]);
+        }
+      }
+      options.tree_mask = mask.expand({spec.batch, n, n}).contiguous();
+    }
+    limit = std::make_unique<CopyLimit>(bytes(spec));
+  }
+
+  static int64_t bytes(const OptionsSpec& spec) {
+    const int64_t read = spec.options.window > 0 ? std::min(spec.options.window + spec.n_queries - 1, spec.tokens)
+                                                 : spec.tokens;
+    return spec.batch * read * 2 * kTokenBytes;
+  }
+
+  at::Tensor run() const { return pagedkv::paged_attention(cache->bind(table, lengths), 0, q, options); }
+
+  std::unique_ptr<PagedCache<Layout>> cache;
+  at::Tensor table;    // [B, cols]
+  at::Tensor lengths;  // [B]
+  at::Tensor q;        // [B, Sq, 32, 128]
+  pagedkv::AttentionOptions options;
+  std::unique_ptr<CopyLimit> limit;
+};
+
+template <class Layout>
+void register_options(const OptionsSpec& spec) {
+  auto get = [spec]() -> OptionsFixture<Layout>& {
+    return fixture<OptionsFixture<Layout>>(spec.name, [&] { return std::make_unique<OptionsFixture<Layout>>(spec); });
+  };
+  const int64_t bytes = OptionsFixture<Layout>::bytes(spec);
+  add(spec.name + "/memcpy", [get, bytes](benchmark::State& state, const std::string& bench_name) {
+    auto& f = get();
+    timed_loop(state, bench_name, bytes, [&] { f.limit->run(); });
+  });
+  if (FmaLimit::available()) {
+    // The floor of the arithmetic: every K and V element read times each
+    // query row of its kv head's group, of every query token (1 + K for a
+    // verify pass: K + 1 times a decode's multiply-adds over the same bytes).
+    const int64_t read = bytes / (2 * kTokenBytes * spec.batch);
+    const int64_t multiply_adds = 2 * spec.batch * read * kHeads * (kQueryHeads / kHeads) * kHeadDim * spec.n_queries;
+    add(spec.name + "/fma", [multiply_adds, bytes](benchmark::State& state, const std::string& bench_name) {
+      const FmaLimit limit(multiply_adds);
+      timed_loop(state, bench_name, bytes, [&] { benchmark::DoNotOptimize(limit.run()); });
+    });
+  }
+  add(spec.name + "/pagedkv", [get, bytes](benchmark::State& state, const std::string& bench_name) {
+    auto& f = get();
+    timed_loop(state, bench_name, bytes, [&] { benchmark::DoNotOptimize(f.run()); });
+  });
+}
+
+template <class Layout>
+void register_options_layout(const std::string& layout) {
+  const std::string prefix = "attention_options/" + layout;
+  pagedkv::AttentionOptions plain, window, softcap, sinks;
+  window.window = 1024;
+  softcap.softcap = 50.0;
+  sinks.sinks = at::linspace(-1, 1, kQueryHeads);
+  register_options<Layout>({prefix + "/plain/B32xT1024", 32, 1024, 1024, 1, OptionsSpec::Mask::none, plain});
+  register_options<Layout>({prefix + "/window1024/B32xT32768", 32, 32768, 1024, 1, OptionsSpec::Mask::none, window});
+  register_options<Layout>({prefix + "/plain/B32xT2048", 32, 2048, 2048, 1, OptionsSpec::Mask::none, plain});
+  register_options<Layout>({prefix + "/softcap50/B32xT2048", 32, 2048, 2048, 1, OptionsSpec::Mask::none, softcap});
+  register_options<Layout>({prefix + "/sinks/B32xT2048", 32, 2048, 2048, 1, OptionsSpec::Mask::none, sinks});
+  for (const int64_t n : {5, 9}) {
+    const std::string verify = prefix + "/verify" + std::to_string(n);
+    register_options<Layout>({verify + "/causal/B32xT2048", 32, 2048, 2048, n, OptionsSpec::Mask::none, plain});
+    register_options<Layout>({verify + "/chain/B32xT2048", 32, 2048, 2048, n, OptionsSpec::Mask::chain, plain});
+    register_options<Layout>({verify + "/tree/B32xT2048", 32, 2048, 2048, n, OptionsSpec::Mask::tree, plain});
+  }
+}
+
 const bool registered = [] {
   const CpuDescription cpu = describe_cpu();
   benchmark::AddCustomContext("pagedkv_cpu", cpu.model);
@@ -247,6 +368,8 @@ const bool registered = [] {
   benchmark::AddCustomContext("pagedkv_attention_decode_step", decode_step != nullptr ? decode_step : "none");
   register_layout<NHD>("NHD");
   register_layout<HND>("HND");
+  register_options_layout<NHD>("NHD");
+  register_options_layout<HND>("HND");
   return true;
 }();
 

@@ -11,13 +11,14 @@ namespace docs {
 namespace {
 
 /// Causal GQA attention of q [1, Sq, Hq, D] over k, v [1, T, H, D] (float32):
-/// query s sits at position T - Sq + s.
-at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+/// query s sits at position T - Sq + s; logits soft-capped at `softcap` (> 0).
+at::Tensor attention_reference(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double softcap = 0.0) {
   const int64_t n_queries = q.size(1), length = k.size(1), group = q.size(2) / k.size(2);
   const at::Tensor qh = q[0].to(at::kFloat).permute({1, 0, 2});                              // [Hq, Sq, D]
   const at::Tensor kh = k[0].to(at::kFloat).repeat_interleave(group, 1).permute({1, 2, 0});  // [Hq, D, T]
   const at::Tensor vh = v[0].to(at::kFloat).repeat_interleave(group, 1).permute({1, 0, 2});  // [Hq, T, D]
   at::Tensor scores = at::matmul(qh, kh) / std::sqrt(static_cast<double>(q.size(3)));
+  if (softcap > 0.0) scores = at::tanh(scores / softcap) * softcap;
   const at::Tensor last = at::arange(n_queries).view({n_queries, 1}) + (length - n_queries);
   scores.masked_fill_(at::arange(length).view({1, length}).gt(last), -INFINITY);
   return at::matmul(at::softmax(scores, -1), vh).permute({1, 0, 2}).unsqueeze(0);  // [1, Sq, Hq, D]
@@ -93,6 +94,56 @@ void attention_sample() {
   expect(relative_error(scaled, attention_reference(q1.to(at::kFloat) * (0.05 * std::sqrt(128.0)), at::cat({k, k1}, 1),
                                                     at::cat({v, v1}, 1))) < 2e-2,
          "an explicit scale");
+
+  const at::Tensor k_all = at::cat({k, k1}, 1), v_all = at::cat({v, v1}, 1);  // positions 0..40
+  {
+    //! [window-softcap]
+    // Gemma 2's attention: a sliding window of 4096 positions and logits soft-capped at 50.
+    pagedkv::AttentionOptions options;
+    options.window = 4096;   // the query at position p sees [p - 4095, p]
+    options.softcap = 50.0;  // every scaled logit x becomes 50 * tanh(x / 50)
+    at::Tensor capped = pagedkv::paged_attention(step, layer, q1, options);
+    //! [window-softcap]
+    expect(relative_error(capped, attention_reference(q1, k_all, v_all, 50.0)) < 2e-2, "window and soft-cap");
+  }
+  {
+    pagedkv::AttentionOptions options;
+    options.window = 8;
+    const at::Tensor windowed = pagedkv::paged_attention(step, layer, q1, options);
+    expect(relative_error(windowed, attention_reference(q1, k_all.narrow(1, 33, 8), v_all.narrow(1, 33, 8))) < 2e-2,
+           "a window of 8: positions 33..40 only");
+  }
+  {
+    //! [sinks]
+    // gpt-oss: one learned logit per query head joins the softmax's denominator, adding no value.
+    pagedkv::AttentionOptions options;
+    options.sinks = at::full({32}, 2.0, at::kFloat);  // [n_heads] float32, on the cache's device
+    at::Tensor with_sinks = pagedkv::paged_attention(step, layer, q1, options);
+    //! [sinks]
+    // Without the sink the weights sum to 1; with it to 1 / (1 + exp(2 - logsumexp)): smaller outputs.
+    expect(with_sinks.to(at::kFloat).abs().sum().item<double>() < out1.to(at::kFloat).abs().sum().item<double>(),
+           "a sink takes weight from the values");
+  }
+  {
+    const at::Tensor k3 = bf16({1, 3, 8, 128}), v3 = bf16({1, 3, 8, 128}), q3 = bf16({1, 3, 32, 128});
+    //! [tree]
+    // Speculative decoding: new token 0 and two drafted continuations of it, 1 and 2, verified
+    // in one pass as a tree: each query sees the context, itself and its ancestors.
+    const auto verify = cache.bind(page_table, at::tensor({44}, at::kLong));  // 41 + 3 new tokens
+    verify.write(layer, /*start_pos=*/41, k3, v3);                            // [1, 3, 8, 128]
+    pagedkv::AttentionOptions tree;
+    tree.tree_mask = at::tensor({1, 0, 0,    // query 0 sees new token 0
+                                 1, 1, 0,    // query 1: 0 and 1
+                                 1, 0, 1},   // query 2: 0 and 2 (not its sibling 1)
+                                at::kBool).view({1, 3, 3});  // [B, Sq, Sq]
+    at::Tensor drafts = pagedkv::paged_attention(verify, layer, q3, tree);  // [1, 3, 32, 128]
+    //! [tree]
+    const at::Tensor context_k = at::cat({k_all, k3.narrow(1, 0, 1), k3.narrow(1, 2, 1)}, 1);
+    const at::Tensor context_v = at::cat({v_all, v3.narrow(1, 0, 1), v3.narrow(1, 2, 1)}, 1);
+    expect(relative_error(drafts.narrow(1, 2, 1), attention_reference(q3.narrow(1, 2, 1), context_k, context_v)) <
+               2e-2,
+           "query 2 sees the context, new token 0 and itself");
+  }
 }
 
 }  // namespace docs

@@ -64,6 +64,7 @@ struct Options {
   int64_t prefix_disk_mb = 1024;
   std::string prefix_redis;
   bool quiet = false;
+  int64_t speculate = 0;
 };
 
 void usage() {
@@ -96,6 +97,9 @@ void usage() {
       "  --dtype T               float32, float16 or bfloat16: weights, activations and pages (float32)\n"
       "  --device cpu|cuda       (cpu)\n"
       "  --threads N             intra-op threads (default: libtorch's, one per core)\n"
+      "  --speculate K           speculative decoding: up to K tokens a step drafted by prompt lookup,\n"
+      "                          verified in the step's forward pass, the rejected rolled back; the\n"
+      "                          tokens are exactly those without it (0: off, the default)\n"
       "Beyond the fixed flags above:\n"
       "  --n-pages-sliding N     pages in the sliding-window layers' pool (default: enough for every\n"
       "                          request's window and step at once)\n"
@@ -123,6 +127,15 @@ int64_t positive(const std::string& flag, const std::string& value) {
   errno = 0;
   const long long n = std::strtoll(value.c_str(), &end, 10);
   if (end == value.c_str() || *end != '\0' || errno != 0 || n < 1) bad_flag(flag, value, "an integer >= 1");
+  return n;
+}
+
+/// An integer >= 0.
+int64_t non_negative(const std::string& flag, const std::string& value) {
+  char* end = nullptr;
+  errno = 0;
+  const long long n = std::strtoll(value.c_str(), &end, 10);
+  if (end == value.c_str() || *end != '\0' || errno != 0 || n < 0) bad_flag(flag, value, "an integer >= 0");
   return n;
 }
 
@@ -186,6 +199,8 @@ Options parse_flags(int argc, char** argv) {
       o.device = one_of({"cpu", "cuda"}, "cpu or cuda");
     } else if (flag == "--threads") {
       o.threads = positive(flag, v);
+    } else if (flag == "--speculate") {
+      o.speculate = non_negative(flag, v);
     } else if (flag == "--max-seqs") {
       o.max_seqs = positive(flag, v);
     } else if (flag == "--preempt") {
@@ -345,6 +360,7 @@ int serve(const Options& o) {
   }
   so.swap = o.preempt == "swap";
   so.keep_logits = !o.logits.empty();
+  so.speculate = o.speculate;
   llama::Scheduler<Layout> scheduler(model, caches, so, [&](llama::Finished&& f) {
     out << llama::output_line(f.id, f.tokens) << '\n';
     if (so.keep_logits) {
@@ -415,6 +431,13 @@ int serve(const Options& o) {
     }
     std::fprintf(stderr, "  prefix tiers: prompt tokens loaded from %s\n", tiers.c_str());
   }
+  if (o.speculate > 0) {
+    std::fprintf(stderr, "  speculative decoding: %lld of %lld drafted tokens accepted (%.1f%%)\n",
+                 static_cast<long long>(s.spec_accepted_tokens), static_cast<long long>(s.spec_proposed_tokens),
+                 s.spec_proposed_tokens > 0 ? 100.0 * static_cast<double>(s.spec_accepted_tokens) /
+                                                  static_cast<double>(s.spec_proposed_tokens)
+                                            : 0.0);
+  }
   std::fprintf(stderr, "  preemptions: %lld swapped to the host cache, %lld recomputed (%lld tokens computed again)\n",
                static_cast<long long>(s.preempted_swap), static_cast<long long>(s.preempted_recompute),
                static_cast<long long>(s.recomputed_tokens));
@@ -447,6 +470,8 @@ int serve(const Options& o) {
     j["preempted_recompute"] = s.preempted_recompute;
     j["chunks"] = s.chunks;
     j["peak_pages"] = s.peak_pages;
+    j["spec_proposed_tokens"] = s.spec_proposed_tokens;
+    j["spec_accepted_tokens"] = s.spec_accepted_tokens;
     j["n_pages"] = pool_pages;
     if (n_sliding_layers > 0) {
       j["peak_pages_full"] = s.peak_pages_full;

@@ -17,6 +17,15 @@
 // and every request fits the pool on its own (requests.hpp checks that), so
 // the loop always makes progress.
 //
+// With speculate > 0 (--speculate K), a decoding request drafts up to K
+// tokens by prompt lookup (speculative.hpp) and computes its newest token
+// and the drafts in the step's one forward pass (requests with as many
+// drafts share an attention call); the longest prefix of drafts that equals
+// the model's own greedy choices is kept, plus the model's next token, and
+// the rejected drafts' K/V are rolled back (SequenceTable::truncate; on a
+// windowed table only the kept tokens are committed, since a window cannot
+// grow back). Greedy decoding makes the tokens exactly those without drafts.
+//
 // A model with sliding-window layers keeps their K/V in a second cache,
 // through a windowed SequenceTable that frees the pages falling out of the
 // window: every request has a sequence in both tables (the same id, created
@@ -49,6 +58,7 @@
 #include "model.hpp"
 #include "pagedkv/pagedkv.hpp"
 #include "requests.hpp"
+#include "speculative.hpp"
 
 namespace llama {
 
@@ -59,6 +69,7 @@ struct SchedulerOptions {
   std::vector<std::shared_ptr<pagedkv::PageStore>> prefix_tiers;  ///< below the pool, fastest first (page_store.hpp)
   bool swap = true;          ///< preempt by swapping to the host cache (else by recomputing)
   bool keep_logits = false;  ///< keep the logits each generated token was chosen from
+  int64_t speculate = 0;     ///< drafted tokens per decoding request and step at most (0: none)
 };
 
 /// A finished request: the generated tokens (and, with keep_logits, the
@@ -90,6 +101,8 @@ struct SchedulerStats {
   int64_t peak_batch_seqs = 0;   ///< sequences in one step at most
   double prefill_seconds = 0;    ///< wall time of steps that prefilled
   double decode_seconds = 0;     ///< wall time of decode-only steps
+  int64_t spec_proposed_tokens = 0;  ///< drafted tokens computed (--speculate)
+  int64_t spec_accepted_tokens = 0;  ///< of which the model's greedy choice agreed and they were kept
 };
 
 template <class Layout>
@@ -197,10 +210,14 @@ class Scheduler {
     at::Tensor token_tensor() { return at::from_blob(tokens.data(), {static_cast<int64_t>(tokens.size())}, at::kLong); }
   };
 
-  /// A request and the tokens it computes this step.
+  /// A request and the tokens it computes this step: n of its own, then
+  /// its drafts (a decoding request with --speculate).
   struct Slot {
     Active* r;
     int64_t n;
+    std::vector<int64_t> drafts = {};
+
+    int64_t computes() const { return n + static_cast<int64_t>(drafts.size()); }
   };
 
   // ---- both tables in step: every request's sequence has the same id and
@@ -292,17 +309,19 @@ class Scheduler {
     for (size_t i = 0; i < running_.size() && budget > 0;) {
       Active& r = *running_[i];
       const int64_t n = std::min(pending(r), budget);
-      bool ok = prepare_append(r.seq, n);
+      std::vector<int64_t> drafts = n == 1 ? draft(r, budget - 1) : std::vector<int64_t>();
+      const auto computes = n + static_cast<int64_t>(drafts.size());
+      bool ok = prepare_append(r.seq, computes);
       while (!ok) {
         Active* victim = running_.back();
         preempt(*victim);
         preempted = true;
         if (victim == &r) break;
-        ok = prepare_append(r.seq, n);
+        ok = prepare_append(r.seq, computes);
       }
       if (!ok) break;  // r was the newest: it went back to the waiting queue
-      slots.push_back({&r, n});
-      budget -= n;
+      slots.push_back({&r, n, std::move(drafts)});
+      budget -= computes;
       ++i;
     }
     // Waiting requests, front first (preempted ones were put there), while
@@ -359,6 +378,16 @@ class Scheduler {
     return slots;
   }
 
+  /// Up to options_.speculate (and `room`) tokens drafted for decoding
+  /// request `r` by prompt lookup, never past its max_new_tokens: the step
+  /// adds the model's own token after the accepted drafts.
+  std::vector<int64_t> draft(const Active& r, int64_t room) const {
+    const int64_t left = r.max_new - r.generated() - 1;
+    const int64_t k = std::min({options_.speculate, room, left});
+    if (k <= 0) return {};
+    return prompt_lookup_draft(r.tokens, k);
+  }
+
   /// Tokens `r` has not computed yet (its whole prompt at first, then the
   /// newest generated token).
   int64_t pending(const Active& r) const { return static_cast<int64_t>(r.tokens.size()) - computed(r); }
@@ -380,22 +409,30 @@ class Scheduler {
   }
 
   void run(const std::vector<Slot>& slots) {
-    // Decode-like slots (one new token each) share one attention call; each
-    // longer chunk has its own.
-    std::vector<const Slot*> ones, chunks;
-    for (const Slot& s : slots) (s.n == 1 ? ones : chunks).push_back(&s);
-    std::vector<const Slot*> order(ones);
+    // Decode-like slots (one new token each, or one and the same number of
+    // drafts) share one attention call; each prompt chunk has its own.
+    std::map<int64_t, std::vector<const Slot*>> decoding;  // by tokens computed
+    std::vector<const Slot*> chunks;
+    for (const Slot& s : slots) {
+      if (s.n == 1) {
+        decoding[s.computes()].push_back(&s);
+      } else {
+        chunks.push_back(&s);
+      }
+    }
+    std::vector<const Slot*> order;
+    for (const auto& group : decoding) order.insert(order.end(), group.second.begin(), group.second.end());
     order.insert(order.end(), chunks.begin(), chunks.end());
 
     int64_t total = 0;
-    for (const Slot* s : order) total += s->n;
+    for (const Slot* s : order) total += s->computes();
     at::Tensor tokens = at::empty({total}, at::kLong);
     at::Tensor positions = at::empty({total}, at::kLong);
     int64_t* tok = tokens.data_ptr<int64_t>();
     int64_t* pos = positions.data_ptr<int64_t>();
     StepInput in;
     std::vector<int64_t> logit_rows;
-    std::vector<Active*> sampled;  // whose logits row comes next in `logit_rows`
+    std::vector<const Slot*> sampled;  // whose logits rows (1 + its drafts) come next in `logit_rows`
     int64_t row = 0;
     const auto add_group = [&](const std::vector<const Slot*>& group, int64_t n_new) {
       std::vector<int64_t> ids;
@@ -410,21 +447,21 @@ class Scheduler {
       for (const Slot* s : group) {
         Active& r = *s->r;
         const int64_t from = computed(r);
-        for (int64_t j = 0; j < s->n; ++j) {
-          tok[row + j] = r.tokens[static_cast<size_t>(from + j)];
+        for (int64_t j = 0; j < s->computes(); ++j) {
+          tok[row + j] = j < s->n ? r.tokens[static_cast<size_t>(from + j)] : s->drafts[static_cast<size_t>(j - s->n)];
           pos[row + j] = from + j;
         }
         count_tokens(r, from, s->n);
         if (from + s->n == static_cast<int64_t>(r.tokens.size())) {
-          logit_rows.push_back(row + s->n - 1);
-          sampled.push_back(&r);
+          for (int64_t j = s->n - 1; j < s->computes(); ++j) logit_rows.push_back(row + j);
+          sampled.push_back(s);
         } else {
           ++stats_.chunks;
         }
-        row += s->n;
+        row += s->computes();
       }
     };
-    if (!ones.empty()) add_group(ones, 1);
+    for (const auto& group : decoding) add_group(group.second, group.first);
     for (const Slot* s : chunks) add_group({s}, s->n);
     in.tokens = tokens;
     in.positions = positions;
@@ -434,23 +471,82 @@ class Scheduler {
     const at::Tensor next = logits.argmax(-1).cpu();       // lowest index on ties, as torch.argmax
     const at::Tensor host_logits = options_.keep_logits ? logits.cpu().contiguous() : at::Tensor();
 
+    // Each sampled slot's new tokens, as greedy decoding without drafts would
+    // choose them: the choice after its own token, then, while the draft
+    // before equals the last choice, the choice after that draft.
+    std::vector<std::vector<int64_t>> chosen(sampled.size());  // [slot][token]
+    std::vector<int64_t> first_row(sampled.size());            // its first row of `next`
+    int64_t m = 0;
+    for (size_t i = 0; i < sampled.size(); ++i) {
+      const Slot& s = *sampled[i];
+      first_row[i] = m;
+      const auto k = static_cast<int64_t>(s.drafts.size());
+      for (int64_t j = 0; j <= k; ++j) {
+        chosen[i].push_back(next.data_ptr<int64_t>()[m + j]);
+        if (ended(*s.r, chosen[i]) || j == k || s.drafts[static_cast<size_t>(j)] != chosen[i].back()) break;
+      }
+      m += k + 1;
+    }
+    std::map<const Slot*, size_t> sampled_index;
+    for (size_t i = 0; i < sampled.size(); ++i) sampled_index[sampled[i]] = i;
     for (const Slot* s : order) {
-      commit_append(s->r->seq, s->n);
+      const auto it = sampled_index.find(s);
+      if (s->drafts.empty() || it == sampled_index.end()) {
+        commit_append(s->r->seq, s->computes());
+      } else {
+        // Its own token and the drafts taken (each equal to the choice before it).
+        const std::vector<int64_t>& taken = chosen[it->second];
+        const auto accepted = static_cast<int64_t>(taken.size()) - 1;
+        commit_computed(*s, s->n + accepted);
+        stats_.spec_proposed_tokens += static_cast<int64_t>(s->drafts.size());
+        stats_.spec_accepted_tokens += accepted;
+        s->r->tokens.insert(s->r->tokens.end(), taken.begin(), taken.end() - 1);  // before their pages register
+      }
       register_pages(*s->r);
     }
     std::vector<Active*> done;
-    for (size_t m = 0; m < sampled.size(); ++m) {
-      Active& r = *sampled[m];
-      const int64_t token = next.data_ptr<int64_t>()[m];
-      r.tokens.push_back(token);
-      ++stats_.generated_tokens;
+    for (size_t i = 0; i < sampled.size(); ++i) {
+      Active& r = *sampled[i]->r;
+      r.tokens.push_back(chosen[i].back());
+      stats_.generated_tokens += static_cast<int64_t>(chosen[i].size());
       if (options_.keep_logits) {
-        const float* p = host_logits.data_ptr<float>() + static_cast<int64_t>(m) * host_logits.size(1);
-        r.logits.emplace_back(p, p + host_logits.size(1));
+        for (size_t j = 0; j < chosen[i].size(); ++j) {
+          const float* p = host_logits.data_ptr<float>() + (first_row[i] + static_cast<int64_t>(j)) * host_logits.size(1);
+          r.logits.emplace_back(p, p + host_logits.size(1));
+        }
       }
-      if (r.generated() >= r.max_new || eos_.count(token) != 0) done.push_back(&r);
+      if (ended(r, {})) done.push_back(&r);
     }
     for (Active* r : done) retire(*r);
+  }
+
+  /// Whether `r`, with `more` tokens chosen after its current ones, is done:
+  /// at max_new_tokens, or its last token an EOS (with nothing more chosen,
+  /// whether its current ones are).
+  bool ended(const Active& r, const std::vector<int64_t>& more) const {
+    const int64_t generated = r.generated() + static_cast<int64_t>(more.size());
+    if (generated <= 0) return false;
+    const int64_t last = more.empty() ? r.tokens.back() : more.back();
+    return generated >= r.max_new || eos_.count(last) != 0;
+  }
+
+  /// Commits the first `kept` of the tokens slot `s` computed: all of them,
+  /// or, with rejected drafts, its own token and the drafts taken. The
+  /// rejected drafts' K/V go: truncated from the full table, never committed
+  /// to the windowed one (whose window cannot grow back: its reserved pages
+  /// past the kept tokens are simply written again).
+  void commit_computed(const Slot& s, int64_t kept) {
+    const int64_t seq = s.r->seq;
+    if (kept == s.computes()) {
+      commit_append(seq, kept);
+      return;
+    }
+    if (sliding_) sliding_->commit_append(seq, kept);
+    if (full_) {
+      const int64_t length = full_->length(seq);
+      full_->commit_append(seq, s.computes());
+      full_->truncate(seq, length + kept);
+    }
   }
 
   /// Sorts the n tokens from position `from` into prompt tokens computed

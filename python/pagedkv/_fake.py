@@ -79,7 +79,7 @@ def _gather_lengths(k_cache, v_cache, layer, page_table, lengths, layout="NHD", 
 
 @_register("pagedkv::paged_attention")
 def _paged_attention(k_cache, v_cache, layer, page_table, lengths, q, scale=0.0, layout="NHD", k_scales=None,
-                     v_scales=None):
+                     v_scales=None, window=0, softcap=0.0, sinks=None, tree_mask=None):
     return q.new_empty(q.shape)
 
 

@@ -30,8 +30,8 @@ namespace pagedkv_py {
 
 namespace checks = pagedkv::checks;
 
-at::Tensor View::paged_attention(int64_t layer, const at::Tensor& q, double scale) const {
-  return std::visit([&](const auto& view) { return pagedkv::paged_attention(view, layer, q, scale); }, view_);
+at::Tensor View::paged_attention(int64_t layer, const at::Tensor& q, const pagedkv::AttentionOptions& options) const {
+  return std::visit([&](const auto& view) { return pagedkv::paged_attention(view, layer, q, options); }, view_);
 }
 
 namespace {
@@ -39,7 +39,8 @@ namespace {
 at::Tensor paged_attention_op(const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t layer,
                               const at::Tensor& page_table, const at::Tensor& lengths, const at::Tensor& q,
                               double scale, c10::string_view layout, const c10::optional<at::Tensor>& k_scales,
-                              const c10::optional<at::Tensor>& v_scales) {
+                              const c10::optional<at::Tensor>& v_scales, int64_t window, double softcap,
+                              const c10::optional<at::Tensor>& sinks, const c10::optional<at::Tensor>& tree_mask) {
   return op_body([&] {
     const checks::Caller caller = op_checks::op("paged_attention");
     op_checks::Storage s = op_checks::storage(caller, k_cache, v_cache, k_scales, v_scales, layout);
@@ -53,19 +54,27 @@ at::Tensor paged_attention_op(const at::Tensor& k_cache, const at::Tensor& v_cac
     checks::page_table(caller, page_table, s.device());
     const int64_t batch = page_table.size(0);
     checks::attention_query(caller, q, batch, s.geometry, dtype, s.device());
-    checks::attention_scale(caller, scale);
+    pagedkv::AttentionOptions options;
+    options.scale = scale;
+    options.window = window;
+    options.softcap = softcap;
+    if (sinks.has_value()) options.sinks = *sinks;
+    if (tree_mask.has_value()) options.tree_mask = *tree_mask;
+    const int64_t n_queries = q.size(1);
+    checks::attention_options(caller, options, batch, n_queries, q.size(2), s.device());
     const std::vector<int64_t> lens = checks::per_sequence(caller, "lengths", lengths, batch, s.device());
-    checks::attention_lengths(caller, lens, q.size(1));
+    checks::attention_lengths(caller, lens, n_queries);
     const at::Tensor host_table = on_host(page_table);
     pagedkv::visit_page_table(host_table, [&](const auto& table) {
       for (int64_t row = 0; row < table.rows; ++row) {
-        op_checks::mapped_prefix(caller, table, row, lens[static_cast<size_t>(row)], s.geometry.page_size, s.n_pages());
+        const int64_t length = lens[static_cast<size_t>(row)];
+        op_checks::mapped_range(caller, table, row, checks::first_visible(length, n_queries, window), length,
+                                s.geometry.page_size, s.n_pages());
       }
     });
     // Validated: from here on nothing throws (but a device error).
-    if (q.size(0) == 0 || q.size(1) == 0) return at::empty(q.sizes(), q.options());
-    pagedkv::AttentionOptions options;
-    options.scale = scale > 0.0 ? scale : 1.0 / std::sqrt(static_cast<double>(s.geometry.head_dim));
+    if (q.size(0) == 0 || n_queries == 0) return at::empty(q.sizes(), q.options());
+    if (options.scale <= 0.0) options.scale = 1.0 / std::sqrt(static_cast<double>(s.geometry.head_dim));
     return pagedkv::ops::attention(s, layer, pagedkv::ops::Table{page_table, host_table, nullptr}, lens, false, q,
                                    options);
   });

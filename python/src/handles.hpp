@@ -121,8 +121,8 @@ class View {
   void write(int64_t layer, int64_t start_pos, const at::Tensor& k, const at::Tensor& v) const;
   void write(int64_t layer, const at::Tensor& start_pos, const at::Tensor& k, const at::Tensor& v) const;
   std::pair<at::Tensor, at::Tensor> gather(int64_t layer) const;
-  /// pagedkv::paged_attention(view, layer, q, scale) (attention.cpp).
-  at::Tensor paged_attention(int64_t layer, const at::Tensor& q, double scale) const;
+  /// pagedkv::paged_attention(view, layer, q, options) (attention.cpp).
+  at::Tensor paged_attention(int64_t layer, const at::Tensor& q, const pagedkv::AttentionOptions& options) const;
 
   const at::Tensor& page_table() const;
   /// Undefined when bound with a total length.

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,7 +46,8 @@ TORCH_LIBRARY(pagedkv, m) {
       "-> (Tensor k, Tensor v)");
   m.def(
       "paged_attention(Tensor k_cache, Tensor v_cache, int layer, Tensor page_table, Tensor lengths, Tensor q, "
-      "float scale=0., str layout=\"NHD\", Tensor? k_scales=None, Tensor? v_scales=None) -> Tensor");
+      "float scale=0., str layout=\"NHD\", Tensor? k_scales=None, Tensor? v_scales=None, int window=0, "
+      "float softcap=0., Tensor? sinks=None, Tensor? tree_mask=None) -> Tensor");
   m.def(
       "copy_pages(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor src, Tensor dst, str layout=\"NHD\", "
       "Tensor(c!)? k_scales=None, Tensor(d!)? v_scales=None) -> ()");
@@ -107,6 +109,21 @@ View bind(Cache& cache, const at::Tensor& page_table, const py::object& total_le
               ">::bind: argument 'total_len' expected an int (or a [B] tensor of lengths), got ",
               type_name(total_len));
   return cache.bind(page_table, py::cast<int64_t>(total_len));
+}
+
+/// pagedkv.paged_attention(view, layer_id, q, scale=0.0, *, window=0,
+/// softcap=0.0, sinks=None, tree_mask=None): the options as one
+/// AttentionOptions.
+at::Tensor view_attention(const View& view, int64_t layer, const at::Tensor& q, double scale, int64_t window,
+                          double softcap, const std::optional<at::Tensor>& sinks,
+                          const std::optional<at::Tensor>& tree_mask) {
+  pagedkv::AttentionOptions options;
+  options.scale = scale;
+  options.window = window;
+  options.softcap = softcap;
+  if (sinks.has_value()) options.sinks = *sinks;
+  if (tree_mask.has_value()) options.tree_mask = *tree_mask;
+  return view.paged_attention(layer, q, options);
 }
 
 /// What Python raises for a c10::Error: RuntimeError with the message
@@ -210,20 +227,21 @@ PYBIND11_MODULE(_C, m) {
            "layer_id"_a, "start_pos"_a, "k"_a, "v"_a, nogil)
       .def("gather", &View::gather, "layer_id"_a, nogil,
            "(k, v) [B, T, H, D]: the first total_len tokens (0 = every mapped one), or max(lengths) with zeros")
-      .def("paged_attention", &View::paged_attention, "layer_id"_a, "q"_a, "scale"_a = 0.0, nogil,
-           "pagedkv.paged_attention(self, layer_id, q, scale)")
+      .def("paged_attention", &view_attention, "layer_id"_a, "q"_a, "scale"_a = 0.0, py::kw_only(), "window"_a = 0,
+           "softcap"_a = 0.0, "sinks"_a = py::none(), "tree_mask"_a = py::none(), nogil,
+           "pagedkv.paged_attention(self, layer_id, q, scale, window=, softcap=, sinks=, tree_mask=)")
       .def_property_readonly("page_table", &View::page_table)
       .def_property_readonly(
           "lengths", [](const View& v) { return tensor_or_none(v.lengths()); }, "[B], or None (bound with total_len)")
       .def_property_readonly("total_len", &View::total_len);
 
-  m.def(
-      "paged_attention", [](const View& view, int64_t layer, const at::Tensor& q, double scale) {
-        return view.paged_attention(layer, q, scale);
-      },
-      "view"_a, "layer_id"_a, "q"_a, "scale"_a = 0.0, nogil,
-      "Causal paged attention: q [B, Sq, n_heads, D] over a view bound with lengths that count the Sq tokens "
-      "(written first); scale <= 0 means 1/sqrt(D). Returns [B, Sq, n_heads, D]");
+  m.def("paged_attention", &view_attention, "view"_a, "layer_id"_a, "q"_a, "scale"_a = 0.0, py::kw_only(),
+        "window"_a = 0, "softcap"_a = 0.0, "sinks"_a = py::none(), "tree_mask"_a = py::none(), nogil,
+        "Causal paged attention: q [B, Sq, n_heads, D] over a view bound with lengths that count the Sq tokens "
+        "(written first); scale <= 0 means 1/sqrt(D); window > 0: each query sees its last `window` positions; "
+        "softcap > 0: logits become softcap * tanh(logit / softcap); sinks: [n_heads] float32 logits that join "
+        "the softmax's denominator; tree_mask: [B, Sq, Sq] bool, which new tokens each query sees. Returns "
+        "[B, Sq, n_heads, D]");
 
   py::class_<pagedkv::PrefixStats>(m, "PrefixStats")
       .def_readonly("lookups", &pagedkv::PrefixStats::lookups)

@@ -94,6 +94,24 @@ void mapped_prefix(const Caller& caller, const pagedkv::PageTableRef<Index>& tab
   }
 }
 
+/// mapped_prefix from position `first` (attention's earliest window start):
+/// the columns before first's page are not read and may be -1.
+template <class Index>
+void mapped_range(const Caller& caller, const pagedkv::PageTableRef<Index>& table, int64_t row, int64_t first,
+                  int64_t length, int64_t page_size, int64_t n_pages) {
+  if (first <= 0) return mapped_prefix(caller, table, row, length, page_size, n_pages);
+  TORCH_CHECK_INDEX(length <= table.cols * page_size, caller, ": argument 'lengths' expected lengths[", row,
+                    "] <= ", table.cols * page_size, " (the tokens page_table row ", row, " can map), got ",
+                    length);
+  for (int64_t col = first / page_size; col * page_size < length; ++col) {
+    TORCH_CHECK_INDEX(table(row, col) != pagedkv::kUnmappedPage, caller,
+                      ": argument 'page_table' expected a page at page_table[", row, "][", col,
+                      "] (it holds positions a query's window sees, ", first, " to lengths[", row, "] - 1 = ",
+                      length - 1, "), got -1");
+    page_in_range(caller, table, row, col, n_pages);
+  }
+}
+
 /// A total length to read: at most the tokens of the leading mapped columns.
 template <class Index>
 void total_len(const Caller& caller, const pagedkv::PageTableRef<Index>& table, int64_t total_len,

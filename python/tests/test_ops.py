@@ -257,6 +257,9 @@ def opcheck_samples(layout, formats, dtype=torch.float16, requires_grad=False):
         (ops.paged_attention.default, (kc, vc, 1, pt, lengths, q), ca),
         (ops.paged_attention.default, (kc, vc, 1, pt, lengths, q, 0.25), ca),
         (ops.copy_pages.default, (kc, vc, torch.tensor([0, 1]), torch.tensor([6, 7])), ca),
+        (ops.paged_attention.default, (kc, vc, 1, pt, lengths, q.expand(2, 2, 4, 8)),
+         dict(ca, window=3, softcap=5.0, sinks=torch.linspace(-1, 1, 4),
+              tree_mask=torch.tensor([[[True, False], [True, True]], [[True, False], [False, True]]]))),
     ]
 
 
@@ -279,7 +282,7 @@ def test_opcheck_with_inputs_that_require_grad(layout):
         if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             torch.library.opcheck(op, args, kwargs)
             checked += 1
-    assert checked == 4  # write, write.starts, and attention twice
+    assert checked == 5  # write, write.starts, and attention three times (once with every option)
     sample = opcheck_samples(layout, ("native", "native"), dtype=torch.float32, requires_grad=True)[5]
     out = ops.paged_attention.default(*sample[1], **sample[2])
     assert sample[1][5].requires_grad and not out.requires_grad

@@ -145,6 +145,41 @@ def check_tiers(a, m, run, bad, requests, failures):
     check("Redis tier, server gone", got, stats, "prefix_hit_tokens_remote", 0)
 
 
+def check_speculate(a, m, run, bad, requests, failures):
+    """--speculate K gives exactly the tokens of a run without it (greedy),
+    drafting from prompts that repeat themselves (a random model's greedy
+    loops repeat too), with several requests batched, prefix caching,
+    preemption by recompute and by swap, both layouts, page sizes 1 and 3;
+    --stats counts the drafts, and some are accepted."""
+    rng = random.Random(7)
+    lines = []
+    for i in range(6):
+        phrase = [rng.randrange(1, 50) for _ in range(5)]
+        prompt = phrase * 3 + [rng.randrange(1, 50) for _ in range(i)]
+        lines.append(json.dumps({"id": "s%d" % i, "prompt": prompt, "max_new_tokens": 10 + 5 * i}))
+    reqs = requests("speculate.jsonl", "\n".join(lines) + "\n")
+    bad("negative --speculate", m + ["--requests", reqs, "--speculate", "-1"], ["--speculate expected an integer >= 0", "'-1'"])
+    base = m + ["--requests", reqs, "--threads", "1", "--quiet"]
+    cases = [[], ["--layout", "hnd", "--page-size", "1"], ["--page-size", "3", "--n-pages", "40", "--max-batch-tokens", "16"],
+             ["--page-size", "3", "--n-pages", "40", "--preempt", "recompute", "--prefix-cache", "off"]]
+    for extra in cases:
+        rc, plain_out, err = run(base + extra)
+        plain = {r["id"]: r["tokens"] for r in map(json.loads, plain_out.splitlines())} if rc == 0 else None
+        for k in ("1", "4"):
+            stats_path = os.path.join(a.work, "speculate-stats.json")
+            rc2, out, err2 = run(base + extra + ["--speculate", k, "--stats", stats_path])
+            got = {r["id"]: r["tokens"] for r in map(json.loads, out.splitlines())} if rc2 == 0 else None
+            stats = json.load(open(stats_path)) if rc2 == 0 else {}
+            ok = rc == 0 and rc2 == 0 and got == plain and len(got) == 6 and \
+                stats.get("spec_proposed_tokens", 0) > 0 and 0 < stats.get("spec_accepted_tokens", 0) <= \
+                stats["spec_proposed_tokens"]
+            print(f"{'ok  ' if ok else 'FAIL'} --speculate {k} {' '.join(extra)}: exit {rc2}, "
+                  f"{stats.get('spec_accepted_tokens')} of {stats.get('spec_proposed_tokens')} drafts accepted")
+            if not ok:
+                failures.append(f"--speculate {k} {extra}: exit {rc}/{rc2}, tokens {got} against {plain}, "
+                                f"stats {stats}, stderr {err2}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama", required=True)
@@ -245,6 +280,7 @@ def main():
     if not ok:
         failures.append(f"--dtype float16: exit {rc}, stderr {err}")
     check_tiers(a, m, run, bad, requests, failures)
+    check_speculate(a, m, run, bad, requests, failures)
     empty = requests("empty.jsonl", "\n")
     rc, out, err = run(m + ["--requests", empty])
     if rc != 0 or out:

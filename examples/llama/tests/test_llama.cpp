@@ -793,6 +793,56 @@ using EngineVsPlain = EngineVsPlainT<0>;
 /// windows start inside pages and on their boundaries.
 using SlidingEngineVsPlain = EngineVsPlainT<5>;
 
+// Speculative decoding: the drafts verified in the step's pass and the
+// rejected ones rolled back leave the tokens and the logits of each token
+// as the plain run has them, batched, with the prefix cache, under
+// preemption by swap and by recompute.
+TEST_F(EngineVsPlain, SpeculativeDecodingKeepsTokensAndLogits) {
+  for (const int64_t k : {1, 3, 8}) {
+    llama::SchedulerOptions o;
+    o.speculate = k;
+    o.max_batch_tokens = 24;
+    const auto s = serve<pagedkv::NHD>(4, 200, o);
+    EXPECT_GT(s.spec_proposed_tokens, 0) << "K=" << k;
+    EXPECT_LE(s.spec_accepted_tokens, s.spec_proposed_tokens) << "K=" << k;
+    o.swap = false;
+    serve<pagedkv::HND>(3, 24, o);
+    o.swap = true;
+    serve<pagedkv::NHD>(1, 60, o, 200);
+  }
+}
+
+// On two tables: the full one truncates the rejected drafts, the windowed
+// one never commits them.
+TEST_F(SlidingEngineVsPlain, SpeculativeDecodingKeepsTokensAndLogits) {
+  for (const int64_t k : {1, 4}) {
+    llama::SchedulerOptions o;
+    o.speculate = k;
+    o.max_batch_tokens = 24;
+    const auto s = serve<pagedkv::NHD>(4, 200, o);
+    EXPECT_GT(s.spec_proposed_tokens, 0) << "K=" << k;
+    o.swap = false;
+    serve<pagedkv::HND>(3, 24, o);
+    o.swap = true;
+    serve<pagedkv::NHD>(1, 60, o, 200, /*n_pages_sliding=*/16);
+  }
+}
+
+TEST(Speculative, PromptLookupDraftsWhatFollowedTheLongestEarlierMatch) {
+  using llama::prompt_lookup_draft;
+  using V = std::vector<int64_t>;
+  EXPECT_EQ(prompt_lookup_draft({}, 4), V{});
+  EXPECT_EQ(prompt_lookup_draft({5}, 4), V{});
+  EXPECT_EQ(prompt_lookup_draft({1, 2, 3}, 4), V{}) << "the last token never occurred before";
+  EXPECT_EQ(prompt_lookup_draft({1, 2, 3, 1}, 4), (V{2, 3, 1}));
+  EXPECT_EQ(prompt_lookup_draft({1, 2, 3, 1}, 2), (V{2, 3}));
+  // "9 1" matches at 0-1 (two tokens) and "1" alone at 4: the longer match wins.
+  EXPECT_EQ(prompt_lookup_draft({9, 1, 7, 7, 1, 8, 9, 1}, 3), (V{7, 7, 1}));
+  // Equally long matches: the latest.
+  EXPECT_EQ(prompt_lookup_draft({4, 5, 4, 6, 4}, 1), (V{6}));
+  EXPECT_EQ(prompt_lookup_draft({1, 2, 3}, 0), V{});
+}
+
 TEST_F(EngineVsPlain, AllAtOnceWithChunkedPrefillAndPrefixCache) {
   llama::SchedulerOptions o;
   o.max_batch_tokens = 16;
