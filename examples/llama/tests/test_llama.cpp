@@ -824,7 +824,8 @@ TEST_F(SlidingEngineVsPlain, SpeculativeDecodingKeepsTokensAndLogits) {
     o.swap = false;
     serve<pagedkv::HND>(3, 24, o);
     o.swap = true;
-    serve<pagedkv::NHD>(1, 60, o, 200, /*n_pages_sliding=*/16);
+    // Pages of 1: a request's window and step need 5 - 1 + 24 + 1 pages.
+    serve<pagedkv::NHD>(1, 60, o, 200, /*n_pages_sliding=*/32);
   }
 }
 
