@@ -94,6 +94,8 @@ struct Problem {
   bool wide_decode_step;  // the AVX-512 path's decode step is the 512-bit one (decode.hpp)
   int64_t window;         // 0, or the keys [p - window + 1, p] the query at p sees
   float softcap;          // 0, or the cap of the scaled logits
+  // Read through sink_of (a template over the problem type), which cppcheck does not follow.
+  // cppcheck-suppress unusedStructMember
   const float* sinks;     // [n_heads], or null: each query head's sink logit
   const bool* tree_mask;  // [B, Sq, Sq], contiguous, or null: which new tokens each query sees
 };
