@@ -1,4 +1,5 @@
-// llama: serves a Hugging Face Llama checkpoint through pagedkv, like a small
+// llama: serves a Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3,
+// Gemma 2, Gemma 3's text model) through pagedkv, like a small
 // inference engine: greedy decoding of a file of requests with continuous
 // batching, chunked prefill, prefix caching and preemption (see --help).
 //
@@ -6,7 +7,7 @@
 //   errors.hpp       InputError: what bad input throws (file, line, field)
 //   safetensors.hpp  the safetensors reader, checking everything it reads
 //   checkpoint.hpp   model.safetensors or a sharded index
-//   config.hpp       config.json (both RoPE spellings, llama3 scaling)
+//   config.hpp       config.json (the six families, both RoPE spellings)
 //   model.hpp        weights and the forward pass of one engine step (model.cpp)
 //   requests.hpp     request file in, output lines out (JSON Lines)
 //   scheduler.hpp    continuous batching, chunked prefill, prefix cache, preemption
@@ -48,8 +49,10 @@ struct Options {
   std::string kv_format = "native";
   int64_t page_size = 16;
   int64_t n_pages = 0;  // 0: enough for every request at once
+  int64_t n_pages_sliding = 0;  // the sliding-window layers' pool; 0: enough for every request's window at once
   int64_t max_batch_tokens = 2048;
   bool prefix_cache = true;
+  bool prefix_cache_given = false;  // --prefix-cache on named on the command line (else the default)
   std::string dtype = "float32";
   std::string device = "cpu";
   int64_t threads = 0;  // 0: libtorch's default
@@ -67,10 +70,12 @@ struct Options {
 void usage() {
   std::printf(
       "usage: llama --model DIR --requests FILE [options]\n"
-      "Serves a Llama checkpoint (transformers' save_pretrained: config.json and model.safetensors\n"
-      "or a sharded index; float32, float16 or bfloat16 weights) over a pagedkv paged KV cache:\n"
-      "greedy decoding of every request, continuous batching, chunked prefill, prefix caching,\n"
-      "preemption when the pool runs short.\n\n"
+      "Serves a checkpoint of transformers' save_pretrained (config.json and model.safetensors\n"
+      "or a sharded index; float32, float16 or bfloat16 weights) of the model types llama,\n"
+      "mistral, qwen2, qwen3, gemma2 and gemma3_text over a pagedkv paged KV cache: greedy\n"
+      "decoding of every request, continuous batching, chunked prefill, prefix caching,\n"
+      "preemption when the pool runs short. Layers with a sliding window keep their K/V in a\n"
+      "second pool, whose pages leave a sequence as they fall out of its window.\n\n"
       "  --model DIR             checkpoint directory\n"
       "  --requests FILE         JSON Lines, one request a line:\n"
       "                          {\"id\": \"r1\", \"prompt\": [1, 2, 3], \"max_new_tokens\": 16}\n"
@@ -81,9 +86,14 @@ void usage() {
       "  --layout nhd|hnd        page layout (nhd)\n"
       "  --kv-format F           native (the --dtype), fp8 (e4m3) or int8 pages (native)\n"
       "  --page-size N           tokens per page (16)\n"
-      "  --n-pages N             pages in the pool (default: enough for every request at once)\n"
+      "  --n-pages N             pages in the pool (default: enough for every request at once); with\n"
+      "                          sliding-window layers, the full-attention layers' pool (a model\n"
+      "                          whose every layer slides: its one pool)\n"
       "  --max-batch-tokens N    new tokens per step, all sequences together (2048)\n"
-      "  --prefix-cache on|off   reuse cached K/V of shared prompt prefixes (on)\n"
+      "  --prefix-cache on|off   reuse cached K/V of shared prompt prefixes (on); a model with\n"
+      "                          sliding-window layers runs without it (their pages of a prefix\n"
+      "                          are gone once it leaves the window): said on stderr, and\n"
+      "                          --prefix-cache on named on the command line is an error there\n"
       "  --dtype T               float32, float16 or bfloat16: weights, activations and pages (float32)\n"
       "  --device cpu|cuda       (cpu)\n"
       "  --threads N             intra-op threads (default: libtorch's, one per core)\n"
@@ -91,10 +101,13 @@ void usage() {
       "                          verified in the step's forward pass, the rejected rolled back; the\n"
       "                          tokens are exactly those without it (0: off, the default)\n"
       "Beyond the fixed flags above:\n"
+      "  --n-pages-sliding N     pages in the sliding-window layers' pool (default: enough for every\n"
+      "                          request's window and step at once)\n"
       "  --max-seqs N            requests running at once at most (256; 1: one at a time)\n"
       "  --preempt swap|recompute  what preemption does with the newest request (swap: to a\n"
       "                          host cache, recomputing when that is full)\n"
-      "  --host-pages N          pages of the host cache swapped requests wait in (--n-pages)\n"
+      "  --host-pages N          pages of the host cache swapped requests wait in (--n-pages); the\n"
+      "                          sliding layers' host cache has as many as their pool\n"
       "  --prefix-host-mb N      a prefix tier of N MiB in host memory for pages the pool evicts\n"
       "  --prefix-disk DIR       a prefix tier in DIR (kept across runs, shared by processes)\n"
       "  --prefix-disk-mb N      its budget (1024)\n"
@@ -173,10 +186,13 @@ Options parse_flags(int argc, char** argv) {
       o.page_size = positive(flag, v);
     } else if (flag == "--n-pages") {
       o.n_pages = positive(flag, v);
+    } else if (flag == "--n-pages-sliding") {
+      o.n_pages_sliding = positive(flag, v);
     } else if (flag == "--max-batch-tokens") {
       o.max_batch_tokens = positive(flag, v);
     } else if (flag == "--prefix-cache") {
       o.prefix_cache = one_of({"on", "off"}, "on or off") == "on";
+      o.prefix_cache_given = o.prefix_cache;
     } else if (flag == "--dtype") {
       o.dtype = one_of({"float32", "float16", "bfloat16"}, "float32, float16 or bfloat16");
     } else if (flag == "--device") {
@@ -240,15 +256,33 @@ int serve(const Options& o) {
   std::vector<llama::Request> requests =
       llama::read_requests(o.requests, {config.vocab_size, o.max_new_tokens});
 
-  // The pool: by default every request's final length at once (no preemption).
+  // The pools: by default every request's final length at once (no
+  // preemption); the sliding layers', every request's window and step.
+  const int64_t window = config.sliding_window;
+  const int64_t n_sliding_layers = config.n_sliding_layers();
+  const int64_t n_full_layers = config.num_hidden_layers - n_sliding_layers;
   int64_t n_pages = o.n_pages;
   if (n_pages == 0) {
-    for (const auto& r : requests) {
-      n_pages += (static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens - 1 + o.page_size - 1) / o.page_size;
-    }
+    for (const auto& r : requests) n_pages += llama::pages_needed(r, o.page_size);
     n_pages = std::max<int64_t>(n_pages, 1);
   }
-  llama::check_fits(o.requests, requests, n_pages, o.page_size);
+  int64_t n_pages_sliding = o.n_pages_sliding > 0 ? o.n_pages_sliding : n_full_layers == 0 ? o.n_pages : 0;
+  if (n_pages_sliding == 0) {
+    for (const auto& r : requests) n_pages_sliding += llama::pages_needed(r, o.page_size, window, o.max_batch_tokens);
+    n_pages_sliding = std::max<int64_t>(n_pages_sliding, 1);
+  }
+  if (n_full_layers > 0) llama::check_fits(o.requests, requests, n_pages, o.page_size);
+  if (n_sliding_layers > 0) {
+    llama::check_fits(o.requests, requests, n_pages_sliding, o.page_size,
+                      n_full_layers == 0 && o.n_pages_sliding == 0 ? "--n-pages" : "--n-pages-sliding", window,
+                      o.max_batch_tokens);
+  }
+  if (n_sliding_layers > 0 && o.prefix_cache_given) {
+    llama::fail("command line: --prefix-cache on: ", config_path, " has ", n_sliding_layers,
+                " sliding-window layers (window ", window, "), whose pages of a prefix are freed once it leaves the "
+                "window, so no prefix cache can serve them; use --prefix-cache off (see --help)");
+  }
+  const bool prefix_cache = o.prefix_cache && n_sliding_layers == 0;
 
   const llama::Model model(config, llama::Checkpoint(o.model), dtype, device);
   const double load_s = since(t_start);
@@ -257,13 +291,27 @@ int serve(const Options& o) {
                                    : o.kv_format == "int8" ? pagedkv::KVFormat::int8
                                                            : pagedkv::KVFormat::native;
   const auto options = at::TensorOptions().dtype(dtype).device(device);
-  pagedkv::PagedCache<Layout> cache(config.num_hidden_layers, n_pages, o.page_size, config.num_key_value_heads,
-                                    config.head_dim, options, pagedkv::KVQuant{format, format});
-  std::unique_ptr<pagedkv::PagedCache<Layout>> host;
-  if (o.preempt == "swap") {
-    host = std::make_unique<pagedkv::PagedCache<Layout>>(
-        config.num_hidden_layers, o.host_pages > 0 ? o.host_pages : n_pages, o.page_size, config.num_key_value_heads,
-        config.head_dim, at::TensorOptions().dtype(dtype), pagedkv::KVQuant{format, format});
+  const pagedkv::KVQuant quant{format, format};
+  const auto make_cache = [&](int64_t layers, int64_t pages, at::TensorOptions opts) {
+    return std::make_unique<pagedkv::PagedCache<Layout>>(layers, pages, o.page_size, config.num_key_value_heads,
+                                                         config.head_dim, opts, quant);
+  };
+  llama::KvCaches<Layout> caches;
+  const at::TensorOptions host_options = at::TensorOptions().dtype(dtype);
+  if (n_full_layers > 0) {
+    caches.full = make_cache(n_full_layers, n_pages, options);
+    if (o.preempt == "swap") caches.full_host = make_cache(n_full_layers, o.host_pages > 0 ? o.host_pages : n_pages, host_options);
+  }
+  if (n_sliding_layers > 0) {
+    caches.sliding = make_cache(n_sliding_layers, n_pages_sliding, options);
+    if (o.preempt == "swap") {
+      caches.sliding_host = make_cache(
+          n_sliding_layers, n_full_layers == 0 && o.host_pages > 0 ? o.host_pages : n_pages_sliding, host_options);
+    }
+  }
+  if (!o.quiet && o.prefix_cache && !prefix_cache) {
+    std::fprintf(stderr, "llama: prefix cache off: %s has %lld sliding-window layers (window %lld)\n",
+                 config_path.c_str(), static_cast<long long>(n_sliding_layers), static_cast<long long>(window));
   }
 
   std::ofstream out_file, logits_file;
@@ -285,10 +333,11 @@ int serve(const Options& o) {
   llama::SchedulerOptions so;
   so.max_batch_tokens = o.max_batch_tokens;
   so.max_seqs = o.max_seqs;
-  so.prefix_cache = o.prefix_cache;
+  so.prefix_cache = prefix_cache;
   // The tiers, fastest first: host memory, the disk, the shared server.
-  if ((o.prefix_host_mb > 0 || !o.prefix_disk.empty() || !o.prefix_redis.empty()) && !o.prefix_cache) {
-    llama::fail("command line: --prefix-host-mb, --prefix-disk and --prefix-redis need --prefix-cache on");
+  if ((o.prefix_host_mb > 0 || !o.prefix_disk.empty() || !o.prefix_redis.empty()) && !prefix_cache) {
+    llama::fail("command line: --prefix-host-mb, --prefix-disk and --prefix-redis need --prefix-cache on",
+                n_sliding_layers > 0 ? ", which a model with sliding-window layers cannot use (see --help)" : "");
   }
   if (o.prefix_host_mb > 0) so.prefix_tiers.push_back(pagedkv::host_store(o.prefix_host_mb << 20));
   if (!o.prefix_disk.empty()) {
@@ -312,7 +361,7 @@ int serve(const Options& o) {
   so.swap = o.preempt == "swap";
   so.keep_logits = !o.logits.empty();
   so.speculate = o.speculate;
-  llama::Scheduler<Layout> scheduler(model, cache, host.get(), so, [&](llama::Finished&& f) {
+  llama::Scheduler<Layout> scheduler(model, caches, so, [&](llama::Finished&& f) {
     out << llama::output_line(f.id, f.tokens) << '\n';
     if (so.keep_logits) {
       nlohmann::json j;
@@ -358,13 +407,22 @@ int serve(const Options& o) {
   std::fprintf(stderr, "  decode: %lld tokens in %lld decode-only steps, %.2f s (%.0f tokens/s); %lld generated in all\n",
                static_cast<long long>(s.decode_tokens), static_cast<long long>(s.steps - s.prefill_steps),
                s.decode_seconds, rate(s.decode_tokens, s.decode_seconds), static_cast<long long>(s.generated_tokens));
+  const int64_t pool_pages = (n_full_layers > 0 ? n_pages : 0) + (n_sliding_layers > 0 ? n_pages_sliding : 0);
   std::fprintf(stderr, "  pages: peak %lld of %lld in use (%lld cached by the prefix cache at the end); peak %lld "
                        "requests running, %lld in one step; %lld prefill chunks cut by the budget\n",
-               static_cast<long long>(s.peak_pages), static_cast<long long>(n_pages),
+               static_cast<long long>(s.peak_pages), static_cast<long long>(pool_pages),
                static_cast<long long>(scheduler.cached_pages()), static_cast<long long>(s.peak_running),
                static_cast<long long>(s.peak_batch_seqs), static_cast<long long>(s.chunks));
+  if (n_sliding_layers > 0) {
+    std::fprintf(stderr, "  %s: %lld full-attention layers, peak %lld of %lld pages; %lld sliding-window layers "
+                         "(window %lld), peak %lld of %lld pages\n",
+                 config.model_type.c_str(), static_cast<long long>(n_full_layers),
+                 static_cast<long long>(s.peak_pages_full), static_cast<long long>(n_full_layers > 0 ? n_pages : 0),
+                 static_cast<long long>(n_sliding_layers), static_cast<long long>(window),
+                 static_cast<long long>(s.peak_pages_sliding), static_cast<long long>(n_pages_sliding));
+  }
   std::fprintf(stderr, "  prefix cache: %s, hit rate %.1f%% (%lld of %lld prompt tokens skipped)\n",
-               o.prefix_cache ? "on" : "off", hit_rate, static_cast<long long>(s.prefix_hit_tokens),
+               prefix_cache ? "on" : o.prefix_cache ? "off (sliding-window layers)" : "off", hit_rate, static_cast<long long>(s.prefix_hit_tokens),
                static_cast<long long>(s.prefix_query_tokens));
   if (!so.prefix_tiers.empty()) {
     std::string tiers;
@@ -414,7 +472,15 @@ int serve(const Options& o) {
     j["peak_pages"] = s.peak_pages;
     j["spec_proposed_tokens"] = s.spec_proposed_tokens;
     j["spec_accepted_tokens"] = s.spec_accepted_tokens;
-    j["n_pages"] = n_pages;
+    j["n_pages"] = pool_pages;
+    if (n_sliding_layers > 0) {
+      j["peak_pages_full"] = s.peak_pages_full;
+      j["peak_pages_sliding"] = s.peak_pages_sliding;
+      j["n_pages_full"] = n_full_layers > 0 ? n_pages : 0;
+      j["n_pages_sliding"] = n_pages_sliding;
+      j["sliding_window"] = window;
+    }
+    j["prefix_cache"] = prefix_cache;
     j["peak_running"] = s.peak_running;
     j["peak_batch_seqs"] = s.peak_batch_seqs;
     j["threads"] = at::get_num_threads();

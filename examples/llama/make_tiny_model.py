@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Makes a seeded random Llama with transformers (no download), saves it as
-save_pretrained does, and writes requests and transformers' own greedy
-outputs for them.
+"""Makes a seeded random model (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3
+text) with transformers (no download), saves it as save_pretrained does, and
+writes requests and transformers' own greedy outputs for them.
 
-    make_tiny_model.py OUT_DIR [--preset gqa|mha|head-dim|bench] [--seed N] [--no-reference]
+    make_tiny_model.py OUT_DIR [--preset NAME] [--seed N] [--no-reference]
 
 OUT_DIR receives:
   config.json, model.safetensors (or shards + model.safetensors.index.json)
@@ -22,6 +22,18 @@ Presets (tiny unless "bench"):
             float16 weights in shards
   bench     the ~100M shape of the benchmark (hidden 1024, 8 layers, 16 heads,
             4 kv heads): weights only, no requests
+One preset per other family, each with a window far shorter than the longer
+prompts (1 to 100 tokens), so that sliding layers drop pages as they go:
+  mistral   sliding window 14 (two pages of 7) on both layers, GQA 4:2
+  qwen2     q/k/v biases, use_sliding_window with max_window_layers 2 of 4
+            (layers 2 and 3 slide, window 12), tied embeddings
+  qwen3     q/k RMSNorm, head_dim 32 beside hidden 64, attention_bias, no window
+  gemma2    4 layers alternating sliding (window 8) and full, attention and
+            final logit soft-caps low enough to bend these logits (8, 15),
+            query_pre_attn_scalar 24, GELU-tanh, Gemma's norms and embedding scale
+  gemma3    gemma3_text: 6 layers, 5 sliding (window 10) : 1 full, q/k norm,
+            local RoPE base 10000 and a global one of 1e6 with linear scaling 4,
+            MQA
 
 Weights are random but not transformers' tiny default init: the norms' weights
 vary around 1 and the projections have a larger spread, so that the logits
@@ -55,16 +67,51 @@ PRESETS = {
     "head-dim": dict(vocab_size=300, hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=1, head_dim=32, rope_theta=20000.0, tie_word_embeddings=False,
                      weights_dtype="float16", shard="40KB", eos="int", rms_norm_eps=1e-6),
+    "mistral": dict(family="mistral", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False,
+                    weights_dtype="float32", eos="int", rms_norm_eps=1e-5, extra=dict(sliding_window=14)),
+    "qwen2": dict(family="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=True,
+                  weights_dtype="float32", eos="list", rms_norm_eps=1e-6,
+                  extra=dict(use_sliding_window=True, sliding_window=12, max_window_layers=2)),
+    "qwen3": dict(family="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, rope_theta=1000000.0,
+                  tie_word_embeddings=False, weights_dtype="float32", eos="int", rms_norm_eps=1e-6,
+                  extra=dict(attention_bias=True)),
+    "gemma2": dict(family="gemma2", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+                   tie_word_embeddings=True, weights_dtype="float32", eos="int", rms_norm_eps=1e-6,
+                   extra=dict(sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=8.0,
+                              final_logit_softcapping=15.0)),
+    "gemma3": dict(family="gemma3_text", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                   num_attention_heads=4, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True,
+                   weights_dtype="float32", eos="int", rms_norm_eps=1e-6,
+                   rope_parameters=dict(full_attention=dict(rope_type="linear", factor=4.0, rope_theta=1000000.0),
+                                        sliding_attention=dict(rope_type="default", rope_theta=10000.0)),
+                   extra=dict(sliding_window=10, query_pre_attn_scalar=16)),
     "bench": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
                   num_attention_heads=16, num_key_value_heads=4, rope_theta=10000.0, tie_word_embeddings=True,
                   weights_dtype="float32", eos=None, rms_norm_eps=1e-5, max_position_embeddings=4096),
 }
 
 
+def family(preset):
+    return PRESETS[preset].get("family", "llama")
+
+
+def model_class(preset):
+    """transformers' causal LM class of the preset's family."""
+    import transformers
+
+    return {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+            "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+            "gemma2": transformers.Gemma2ForCausalLM, "gemma3_text": transformers.Gemma3ForCausalLM}[family(preset)]
+
+
 def build_model(preset, seed):
-    """A random LlamaForCausalLM of the preset's shape, in float32."""
+    """A random causal LM of the preset's family and shape, in float32."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig
 
     p = PRESETS[preset]
     kwargs = dict(vocab_size=p["vocab_size"], hidden_size=p["hidden_size"], intermediate_size=p["intermediate_size"],
@@ -75,22 +122,29 @@ def build_model(preset, seed):
                   eos_token_id=None, pad_token_id=None)
     if "head_dim" in p:
         kwargs["head_dim"] = p["head_dim"]
-    rope = dict(rope_type="default", rope_theta=p["rope_theta"])
-    if "rope_scaling" in p:
-        rope.update(p["rope_scaling"])
-    kwargs["rope_parameters"] = rope
-    config = LlamaConfig(**kwargs)
+    if "rope_parameters" in p:
+        kwargs["rope_parameters"] = p["rope_parameters"]
+    else:
+        rope = dict(rope_type="default", rope_theta=p["rope_theta"])
+        if "rope_scaling" in p:
+            rope.update(p["rope_scaling"])
+        kwargs["rope_parameters"] = rope
+    kwargs.update(p.get("extra", {}))
+    config = AutoConfig.for_model(family(preset), **kwargs)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    model = model_class(preset)(config).eval()
+    gemma = family(preset).startswith("gemma")
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, w in model.named_parameters():
             if name == "model.norm.weight":  # the logits' scale: a few units apart at the top
-                w.copy_(4 * (1 + 0.25 * torch.randn(w.shape, generator=g)))
-            elif name.endswith("norm.weight"):
-                w.copy_(1 + 0.25 * torch.randn(w.shape, generator=g))
+                w.copy_(4 * (1 + 0.25 * torch.randn(w.shape, generator=g)) - (1 if gemma else 0))
+            elif name.endswith("norm.weight"):  # Gemma's norms multiply by 1 + weight
+                w.copy_((0 if gemma else 1) + 0.25 * torch.randn(w.shape, generator=g))
             elif name == "model.embed_tokens.weight":
                 w.copy_(0.1 * torch.randn(w.shape, generator=g))  # small beside the layers: outputs vary
+            elif name.endswith(".bias"):
+                w.copy_(0.5 * torch.randn(w.shape, generator=g))
             else:  # a linear [out, in]: unit-variance outputs for unit-variance inputs, a bit more
                 w.copy_(torch.randn(w.shape, generator=g) * (1.5 / w.shape[1] ** 0.5))
     return model
@@ -175,7 +229,7 @@ def fake_quantize(x, fmt):
 def load_variant(out_dir, variant):
     """transformers' model of out_dir computing as `variant` says (VARIANTS)."""
     import torch
-    from transformers import AttentionInterface, LlamaForCausalLM
+    from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if variant in ("fp8", "int8"):
@@ -184,10 +238,10 @@ def load_variant(out_dir, variant):
                                           attention_mask, **kwargs)
 
         AttentionInterface.register("pagedkv_" + variant, attention)
-        return LlamaForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
-                                                attn_implementation="pagedkv_" + variant).eval()
+        return AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32,
+                                                    attn_implementation="pagedkv_" + variant).eval()
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[variant]
-    return LlamaForCausalLM.from_pretrained(out_dir, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(out_dir, dtype=dtype).eval()
 
 
 def reference_variant(out_dir, variant):
@@ -223,6 +277,13 @@ def pick_eos(preset, reference):
     return first
 
 
+def stop_at_eos(r, eos):
+    """A generate output cut after its first EOS token, which it keeps."""
+    ids = set(eos if isinstance(eos, list) else [eos])
+    n = next((i + 1 for i, t in enumerate(r["tokens"]) if t in ids), len(r["tokens"]))
+    return {"id": r["id"], "tokens": r["tokens"][:n], "logits": r["logits"][:n]}
+
+
 def make(out_dir, preset="gqa", seed=0, reference=True):
     """Builds, saves and (unless reference=False) runs the reference; returns reference.json's content."""
     import torch
@@ -230,7 +291,7 @@ def make(out_dir, preset="gqa", seed=0, reference=True):
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     model = build_model(preset, seed)
-    info = {"preset": preset, "seed": seed, "torch": torch.__version__, "transformers": transformers.__version__,
+    info = {"preset": preset, "family": family(preset), "seed": seed, "torch": torch.__version__, "transformers": transformers.__version__,
             "default_max_new_tokens": DEFAULT_MAX_NEW_TOKENS, "logit_tolerance": LOGIT_TOLERANCE}
     if not reference:
         save(model, preset, out_dir)
@@ -239,17 +300,17 @@ def make(out_dir, preset="gqa", seed=0, reference=True):
     # The reference runs the saved weights (bf16 / fp16 ones upcast to
     # float32), as the engine will. First without EOS, to choose EOS ids the
     # model emits; then with them.
-    from transformers import LlamaForCausalLM
-
+    cls = model_class(preset)
     save(model, preset, out_dir)
-    model = LlamaForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
-    eos = pick_eos(preset, generate(model, requests, eos=None))
+    model = cls.from_pretrained(out_dir, dtype=torch.float32).eval()
+    free = generate(model, requests, eos=None)
+    eos = pick_eos(preset, free)
     model.config.eos_token_id = eos
     save(model, preset, out_dir)  # the same values: float32 upcasts round-trip to the stored dtype
-    # Reloaded: save() converted the model in place and back, which rounds
-    # RoPE's inv_freq buffer to the stored dtype.
-    model = LlamaForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
-    ref = generate(model, requests, eos)
+    # Greedy generate of one request at a time computes the same steps with
+    # EOS as without up to its first EOS, where it stops: the run without,
+    # cut there, is the reference (a second generate would cost as much again).
+    ref = [stop_at_eos(r, eos) for r in free]
     gap, gap_id, gap_step = min_gap(ref)
     stopped = [r["id"] for r, q in zip(ref, requests)
                if len(r["tokens"]) < q.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)]
@@ -274,9 +335,12 @@ def make(out_dir, preset="gqa", seed=0, reference=True):
 
 
 def write_v4_config(src_dir, dst_dir):
-    """A copy of src_dir whose config.json spells RoPE as transformers 4 did
-    (top-level rope_theta, optional rope_scaling) instead of 5's
-    rope_parameters; the weights are linked, not copied."""
+    """A copy of src_dir whose config.json is spelled as transformers 4 wrote
+    it: RoPE as top-level rope_theta and optional rope_scaling instead of 5's
+    rope_parameters (gemma3_text: rope_theta and rope_scaling for the full
+    layers, rope_local_base_freq for the sliding ones), and no layer_types
+    (the family's rule: max_window_layers, alternation, sliding_window_pattern);
+    the weights are linked, not copied."""
     os.makedirs(dst_dir, exist_ok=True)
     for name in os.listdir(src_dir):
         if name != "config.json" and (name.endswith(".safetensors") or name.endswith(".index.json")):
@@ -287,9 +351,14 @@ def write_v4_config(src_dir, dst_dir):
     with open(os.path.join(src_dir, "config.json")) as f:
         config = json.load(f)
     rope = config.pop("rope_parameters")
+    if config["model_type"] == "gemma3_text":
+        config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        config["sliding_window_pattern"] = 6
+        rope = dict(rope["full_attention"])
     config["rope_theta"] = rope.pop("rope_theta")
     if rope.get("rope_type", "default") != "default":
         config["rope_scaling"] = rope
+    config.pop("layer_types", None)
     with open(os.path.join(dst_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return config

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <fstream>
 #include <istream>
@@ -112,17 +113,30 @@ inline std::vector<Request> read_requests(const std::string& path, const Request
   return parse_requests(path, in, limits);
 }
 
-/// Every request must fit the pool on its own: its prompt and all but the
-/// last generated token hold K/V at the end (the scheduler relies on it).
+/// Pages a request holds at most: its prompt and all but the last generated
+/// token; with a sliding window w (window >= 1) only the window's pages and
+/// those of the chunk it computes (at most max_chunk tokens), since a
+/// windowed table frees the rest: ceil((w - 1 + chunk) / page_size) + 1.
+inline int64_t pages_needed(const Request& r, int64_t page_size, int64_t window = 0, int64_t max_chunk = 0) {
+  const int64_t tokens = static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens - 1;
+  const auto pages_for = [&](int64_t n) { return (n + page_size - 1) / page_size; };
+  if (window == 0) return pages_for(tokens);
+  return std::min(pages_for(tokens), pages_for(window - 1 + std::min(tokens, max_chunk)) + 1);
+}
+
+/// Every request must fit the pool on its own (the scheduler relies on it);
+/// `flag` names the pool's flag, `window` / `max_chunk` as pages_needed.
 inline void check_fits(const std::string& file, const std::vector<Request>& requests, int64_t n_pages,
-                       int64_t page_size) {
+                       int64_t page_size, const char* flag = "--n-pages", int64_t window = 0, int64_t max_chunk = 0) {
   for (const Request& r : requests) {
-    const int64_t tokens = static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens - 1;
-    const int64_t pages = (tokens + page_size - 1) / page_size;
+    const int64_t pages = pages_needed(r, page_size, window, max_chunk);
     if (pages > n_pages) {
       fail(file, ":", r.line, ": field 'prompt': ", r.prompt.size(), " tokens plus max_new_tokens ", r.max_new_tokens,
-           " need ", pages, " pages of ", page_size, " tokens, more than the pool can ever hold (", n_pages,
-           " pages, --n-pages)");
+           " need ", pages, " pages of ", page_size, " tokens",
+           window > 0 ? " (a sliding window of " + std::to_string(window) + " tokens and a step of " +
+                            std::to_string(max_chunk) + ")"
+                      : std::string(),
+           ", more than the pool can ever hold (", n_pages, " pages, ", flag, ")");
     }
   }
 }

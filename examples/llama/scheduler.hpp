@@ -17,10 +17,6 @@
 // and every request fits the pool on its own (requests.hpp checks that), so
 // the loop always makes progress.
 //
-// A request finishes at max_new_tokens or at an EOS token (kept as its last
-// token); its pages go back at once (the prefix cache keeps the full pages
-// it registered, evictable, for later requests).
-//
 // With speculate > 0 (--speculate K), a decoding request drafts up to K
 // tokens by prompt lookup (speculative.hpp) and computes its newest token
 // and the drafts in the step's one forward pass (requests with as many
@@ -29,6 +25,18 @@
 // the rejected drafts' K/V are rolled back (SequenceTable::truncate; on a
 // windowed table only the kept tokens are committed, since a window cannot
 // grow back). Greedy decoding makes the tokens exactly those without drafts.
+//
+// A model with sliding-window layers keeps their K/V in a second cache,
+// through a windowed SequenceTable that frees the pages falling out of the
+// window: every request has a sequence in both tables (the same id, created
+// and released together), both are grown before a step (all or nothing),
+// and preemption swaps or releases both. The prefix cache serves models
+// without sliding layers only: a windowed table has already released the
+// early pages a later request would share.
+//
+// A request finishes at max_new_tokens or at an EOS token (kept as its last
+// token); its pages go back at once (the prefix cache keeps the full pages
+// it registered, evictable, for later requests).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -43,6 +51,7 @@
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -85,7 +94,9 @@ struct SchedulerStats {
   int64_t preempted_swap = 0;
   int64_t preempted_recompute = 0;
   int64_t chunks = 0;            ///< prefill chunks that stopped short of the prompt's end
-  int64_t peak_pages = 0;        ///< pool pages held (by sequences or the prefix cache) at most
+  int64_t peak_pages = 0;        ///< pool pages held (by sequences or the prefix cache) at most, both pools together
+  int64_t peak_pages_full = 0;     ///< of the full-attention layers' pool
+  int64_t peak_pages_sliding = 0;  ///< of the sliding-window layers' pool
   int64_t peak_running = 0;
   int64_t peak_batch_seqs = 0;   ///< sequences in one step at most
   double prefill_seconds = 0;    ///< wall time of steps that prefilled
@@ -97,13 +108,28 @@ struct SchedulerStats {
 template <class Layout>
 class Scheduler {
  public:
-  /// `host` (may be null: preemption then recomputes) is the cache swapped
-  /// requests wait in; both caches must outlive the scheduler.
-  Scheduler(const Model& model, pagedkv::PagedCache<Layout>& cache, pagedkv::PagedCache<Layout>* host,
-            SchedulerOptions options, std::function<void(Finished&&)> on_finished)
-      : model_(model), cache_(cache), seqs_(cache), options_(options), on_finished_(std::move(on_finished)) {
-    if (host != nullptr) host_seqs_ = std::make_unique<pagedkv::SequenceTable<Layout>>(*host);
-    if (options_.prefix_cache) prefix_ = std::make_unique<pagedkv::PrefixCache<Layout>>(seqs_, options_.prefix_tiers);
+  /// `caches` (its host caches may be absent: preemption then recomputes)
+  /// must outlive the scheduler. The prefix cache (options.prefix_cache)
+  /// runs only for a model without sliding layers (prefix_cache_on()).
+  Scheduler(const Model& model, KvCaches<Layout>& caches, SchedulerOptions options,
+            std::function<void(Finished&&)> on_finished)
+      : model_(model), caches_(caches), options_(options), on_finished_(std::move(on_finished)) {
+    if (caches.full) full_ = std::make_unique<pagedkv::SequenceTable<Layout>>(*caches.full);
+    if (caches.sliding) {
+      sliding_ = std::make_unique<pagedkv::SequenceTable<Layout>>(*caches.sliding, model.config().sliding_window);
+    }
+    if (!full_ && !sliding_) throw std::invalid_argument("llama scheduler: no cache");
+    if (full_ && sliding_ && caches.full->page_size() != caches.sliding->page_size()) {
+      throw std::invalid_argument("llama scheduler: the full and sliding caches have different page sizes");
+    }
+    // Swapping needs a host cache for every device one.
+    if ((!full_ || caches.full_host) && (!sliding_ || caches.sliding_host)) {
+      if (full_) full_host_ = std::make_unique<pagedkv::SequenceTable<Layout>>(*caches.full_host);
+      if (sliding_) sliding_host_ = std::make_unique<pagedkv::SequenceTable<Layout>>(*caches.sliding_host);
+    }
+    if (options_.prefix_cache && !sliding_) {
+      prefix_ = std::make_unique<pagedkv::PrefixCache<Layout>>(*full_, options_.prefix_tiers);
+    }
     for (int64_t id : model.config().eos_token_ids) eos_.insert(id);
   }
 
@@ -124,6 +150,8 @@ class Scheduler {
 
   bool idle() const { return running_.empty() && waiting_.empty(); }
   const SchedulerStats& stats() const { return stats_; }
+  /// Whether a prefix cache runs (options.prefix_cache, and no sliding layers).
+  bool prefix_cache_on() const { return prefix_ != nullptr; }
   /// Pages the prefix cache holds (0 without one).
   int64_t cached_pages() const { return prefix_ ? prefix_->n_cached() : 0; }
   /// Before exit: the prefix cache's pages go down to its tiers (PrefixCache::persist).
@@ -138,11 +166,15 @@ class Scheduler {
     const auto t0 = std::chrono::steady_clock::now();
     std::vector<Slot> slots = schedule();
     if (slots.empty()) throw std::logic_error("llama scheduler: no request could be scheduled (a bug)");
-    stats_.peak_pages = std::max(stats_.peak_pages, cache_.n_pages() - cache_.n_free());
+    const int64_t used_full = full_ ? full_->cache().n_pages() - full_->cache().n_free() : 0;
+    const int64_t used_sliding = sliding_ ? sliding_->cache().n_pages() - sliding_->cache().n_free() : 0;
+    stats_.peak_pages = std::max(stats_.peak_pages, used_full + used_sliding);
+    stats_.peak_pages_full = std::max(stats_.peak_pages_full, used_full);
+    stats_.peak_pages_sliding = std::max(stats_.peak_pages_sliding, used_sliding);
     stats_.peak_running = std::max(stats_.peak_running, static_cast<int64_t>(running_.size()));
     stats_.peak_batch_seqs = std::max(stats_.peak_batch_seqs, static_cast<int64_t>(slots.size()));
     bool prefill = false;
-    for (const Slot& s : slots) prefill = prefill || s.n > 1 || s.r->computed(seqs_) < s.r->n_prompt;
+    for (const Slot& s : slots) prefill = prefill || s.n > 1 || computed(*s.r) < s.r->n_prompt;
     run(slots);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ++stats_.steps;
@@ -163,7 +195,7 @@ class Scheduler {
     std::vector<int64_t> tokens;  ///< prompt, then every generated token
     int64_t n_prompt = 0;
     int64_t max_new = 0;
-    int64_t seq = -1;  ///< in the device table (swapped: its id there, marked swapped)
+    int64_t seq = -1;  ///< in the device tables (swapped: its id there, marked swapped)
     State state = State::waiting;
     bool admitted_before = false;
     /// Leading pages of its sequence that are the prefix cache's own (shared
@@ -174,7 +206,6 @@ class Scheduler {
     int64_t high_water = 0;        ///< tokens ever computed (a recompute starts below it)
     std::vector<std::vector<float>> logits;
 
-    int64_t computed(const pagedkv::SequenceTable<Layout>& seqs) const { return seq < 0 ? 0 : seqs.length(seq); }
     int64_t generated() const { return static_cast<int64_t>(tokens.size()) - n_prompt; }
     at::Tensor token_tensor() { return at::from_blob(tokens.data(), {static_cast<int64_t>(tokens.size())}, at::kLong); }
   };
@@ -189,6 +220,87 @@ class Scheduler {
     int64_t computes() const { return n + static_cast<int64_t>(drafts.size()); }
   };
 
+  // ---- both tables in step: every request's sequence has the same id and
+  // length in each ----
+
+  /// The table that answers for both (they agree on lengths).
+  pagedkv::SequenceTable<Layout>& first() const { return full_ ? *full_ : *sliding_; }
+  int64_t page_size() const { return first().cache().page_size(); }
+  int64_t computed(const Active& r) const { return r.seq < 0 ? 0 : first().length(r.seq); }
+
+  int64_t create() {
+    const int64_t seq = first().create();
+    if (full_ && sliding_ && sliding_->create() != seq) {
+      throw std::logic_error("llama scheduler: the full and sliding tables' ids diverged (a bug)");
+    }
+    return seq;
+  }
+
+  void release(int64_t seq) {
+    if (full_) full_->release(seq);
+    if (sliding_) sliding_->release(seq);
+  }
+
+  /// Room for n more tokens in both tables; false, and no page taken, when
+  /// either pool is short (the sliding table's reserved pages are given back
+  /// by truncating to its length).
+  bool prepare_append(int64_t seq, int64_t n) {
+    if (sliding_ && !sliding_->prepare_append(seq, n)) return false;
+    if (full_ && !full_->prepare_append(seq, n)) {
+      if (sliding_) sliding_->truncate(seq, sliding_->length(seq));
+      return false;
+    }
+    return true;
+  }
+
+  void commit_append(int64_t seq, int64_t n) {
+    if (full_) full_->commit_append(seq, n);
+    if (sliding_) sliding_->commit_append(seq, n);
+  }
+
+  bool can_swap() const { return (!full_ || full_host_) && (!sliding_ || sliding_host_); }
+
+  /// Both tables' sequence to their host tables; false, nothing changed, if
+  /// a host cache is short.
+  bool swap_out(int64_t seq) {
+    if (!can_swap()) return false;
+    if (sliding_ && !sliding_->swap_out(seq, *sliding_host_)) return false;
+    if (full_ && !full_->swap_out(seq, *full_host_)) {
+      // The pages it just gave back are free: coming back cannot fail.
+      if (sliding_ && !sliding_->swap_in(seq, *sliding_host_)) {
+        throw std::logic_error("llama scheduler: a swap-out could not be undone (a bug)");
+      }
+      return false;
+    }
+    return true;
+  }
+
+  bool swap_in(int64_t seq) {
+    if (sliding_ && !sliding_->swap_in(seq, *sliding_host_)) return false;
+    if (full_ && !full_->swap_in(seq, *full_host_)) {
+      if (sliding_ && !sliding_->swap_out(seq, *sliding_host_)) {
+        throw std::logic_error("llama scheduler: a swap-in could not be undone (a bug)");
+      }
+      return false;
+    }
+    return true;
+  }
+
+  /// Whether a swapped sequence of `length` tokens and its next n fit the
+  /// device pools once swapped in: the full table holds every page, the
+  /// windowed one only those from its window's first page on.
+  bool fits_swapped_in(int64_t length, int64_t n) const {
+    if (full_ && pages_for(length + n) > full_->cache().n_free() + (prefix_ ? prefix_->n_reclaimable() : 0)) {
+      return false;
+    }
+    if (sliding_) {
+      const int64_t w = sliding_->window();
+      const int64_t dropped = length >= w ? (length - w + 1) / page_size() : 0;
+      if (pages_for(length + n) - dropped > sliding_->cache().n_free()) return false;
+    }
+    return true;
+  }
+
   std::vector<Slot> schedule() {
     std::vector<Slot> slots;
     int64_t budget = options_.max_batch_tokens;
@@ -199,13 +311,13 @@ class Scheduler {
       const int64_t n = std::min(pending(r), budget);
       std::vector<int64_t> drafts = n == 1 ? draft(r, budget - 1) : std::vector<int64_t>();
       const auto computes = n + static_cast<int64_t>(drafts.size());
-      bool ok = seqs_.prepare_append(r.seq, computes);
+      bool ok = prepare_append(r.seq, computes);
       while (!ok) {
         Active* victim = running_.back();
         preempt(*victim);
         preempted = true;
         if (victim == &r) break;
-        ok = seqs_.prepare_append(r.seq, computes);
+        ok = prepare_append(r.seq, computes);
       }
       if (!ok) break;  // r was the newest: it went back to the waiting queue
       slots.push_back({&r, n, std::move(drafts)});
@@ -223,26 +335,26 @@ class Scheduler {
       if (swapped) {
         // Only when its next tokens fit as well: a request swapped in
         // without them would be swapped out again at the next step.
-        const int64_t length = seqs_.length(w.seq);
+        const int64_t length = first().length(w.seq);
         const int64_t n = std::min(static_cast<int64_t>(w.tokens.size()) - length, budget);
-        if (pages_for(length + n) > cache_.n_free() + (prefix_ ? prefix_->n_reclaimable() : 0)) break;
-        if (!seqs_.swap_in(w.seq, *host_seqs_)) break;
+        if (!fits_swapped_in(length, n)) break;
+        if (!swap_in(w.seq)) break;
         w.chain_pages = 0;  // fresh pages: none of them is the prefix cache's
       } else if (prefix_) {
         tier_hits = prefix_->tiers().empty() ? pagedkv::PrefixStats{} : prefix_->stats();
         std::tie(w.seq, cached) = prefix_->acquire(w.token_tensor());
       } else {
-        w.seq = seqs_.create();
+        w.seq = create();
       }
       const int64_t n = std::min(pending(w), budget);
-      const bool fits = seqs_.prepare_append(w.seq, n);
+      const bool fits = prepare_append(w.seq, n);
       if (!fits && !swapped) {  // back to where it was
-        seqs_.release(w.seq);
+        release(w.seq);
         w.seq = -1;
         break;
       }
       if (!swapped) {
-        w.chain_pages = cached / cache_.page_size();
+        w.chain_pages = cached / page_size();
         w.registers = true;
         stats_.prefix_query_tokens += static_cast<int64_t>(w.tokens.size());
         stats_.prefix_hit_tokens += cached;
@@ -278,17 +390,17 @@ class Scheduler {
 
   /// Tokens `r` has not computed yet (its whole prompt at first, then the
   /// newest generated token).
-  int64_t pending(const Active& r) const { return static_cast<int64_t>(r.tokens.size()) - r.computed(seqs_); }
+  int64_t pending(const Active& r) const { return static_cast<int64_t>(r.tokens.size()) - computed(r); }
 
   /// Moves the newest running request `r` (running_.back()) to the front of
   /// the waiting queue: swapped out, or released to be recomputed.
   void preempt(Active& r) {
     running_.pop_back();
-    if (options_.swap && host_seqs_ && seqs_.swap_out(r.seq, *host_seqs_)) {
+    if (options_.swap && swap_out(r.seq)) {
       r.state = State::swapped;
       ++stats_.preempted_swap;
     } else {
-      seqs_.release(r.seq);
+      release(r.seq);
       r.seq = -1;
       r.state = State::waiting;
       ++stats_.preempted_recompute;
@@ -325,11 +437,16 @@ class Scheduler {
     const auto add_group = [&](const std::vector<const Slot*>& group, int64_t n_new) {
       std::vector<int64_t> ids;
       for (const Slot* s : group) ids.push_back(s->r->seq);
-      auto table_lengths = seqs_.batch(ids);
-      in.groups.push_back({row, static_cast<int64_t>(group.size()), n_new, table_lengths.first, table_lengths.second});
+      AttentionGroup g;
+      g.row0 = row;
+      g.n_seqs = static_cast<int64_t>(group.size());
+      g.n_new = n_new;
+      if (full_) std::tie(g.page_table, g.start) = full_->batch(ids);
+      if (sliding_) std::tie(g.sliding_table, g.start) = sliding_->batch(ids);
+      in.groups.push_back(std::move(g));
       for (const Slot* s : group) {
         Active& r = *s->r;
-        const int64_t from = r.computed(seqs_);
+        const int64_t from = computed(r);
         for (int64_t j = 0; j < s->computes(); ++j) {
           tok[row + j] = j < s->n ? r.tokens[static_cast<size_t>(from + j)] : s->drafts[static_cast<size_t>(j - s->n)];
           pos[row + j] = from + j;
@@ -350,7 +467,7 @@ class Scheduler {
     in.positions = positions;
     in.logit_rows = at::tensor(logit_rows, at::kLong);
 
-    const at::Tensor logits = model_.forward(cache_, in);  // [M, vocab] float32
+    const at::Tensor logits = model_.forward(caches_, in);  // [M, vocab] float32
     const at::Tensor next = logits.argmax(-1).cpu();       // lowest index on ties, as torch.argmax
     const at::Tensor host_logits = options_.keep_logits ? logits.cpu().contiguous() : at::Tensor();
 
@@ -375,7 +492,7 @@ class Scheduler {
     for (const Slot* s : order) {
       const auto it = sampled_index.find(s);
       if (s->drafts.empty() || it == sampled_index.end()) {
-        seqs_.commit_append(s->r->seq, s->computes());
+        commit_append(s->r->seq, s->computes());
       } else {
         // Its own token and the drafts taken (each equal to the choice before it).
         const std::vector<int64_t>& taken = chosen[it->second];
@@ -415,16 +532,21 @@ class Scheduler {
 
   /// Commits the first `kept` of the tokens slot `s` computed: all of them,
   /// or, with rejected drafts, its own token and the drafts taken. The
-  /// rejected drafts' K/V go: truncated, or (a windowed table, whose window
-  /// cannot grow back) never committed.
+  /// rejected drafts' K/V go: truncated from the full table, never committed
+  /// to the windowed one (whose window cannot grow back: its reserved pages
+  /// past the kept tokens are simply written again).
   void commit_computed(const Slot& s, int64_t kept) {
-    if (kept == s.computes() || seqs_.window() > 0) {
-      seqs_.commit_append(s.r->seq, kept);
+    const int64_t seq = s.r->seq;
+    if (kept == s.computes()) {
+      commit_append(seq, kept);
       return;
     }
-    const int64_t length = seqs_.length(s.r->seq);
-    seqs_.commit_append(s.r->seq, s.computes());
-    seqs_.truncate(s.r->seq, length + kept);
+    if (sliding_) sliding_->commit_append(seq, kept);
+    if (full_) {
+      const int64_t length = full_->length(seq);
+      full_->commit_append(seq, s.computes());
+      full_->truncate(seq, length + kept);
+    }
   }
 
   /// Sorts the n tokens from position `from` into prompt tokens computed
@@ -450,11 +572,11 @@ class Scheduler {
   /// then find the pool short by pages nobody uses, and wait forever.
   void register_pages(Active& r) {
     if (!prefix_ || !r.registers) return;
-    const int64_t length = seqs_.length(r.seq);
-    const int64_t full = length / cache_.page_size();
+    const int64_t length = full_->length(r.seq);
+    const int64_t full = length / page_size();
     if (full <= r.chain_pages) return;
     const at::Tensor tokens = r.token_tensor();
-    if (prefix_->peek(tokens, 0, length) != r.chain_pages * cache_.page_size()) {
+    if (prefix_->peek(tokens, 0, length) != r.chain_pages * page_size()) {
       r.registers = false;
       return;
     }
@@ -462,10 +584,10 @@ class Scheduler {
     r.chain_pages = full;
   }
 
-  int64_t pages_for(int64_t tokens) const { return (tokens + cache_.page_size() - 1) / cache_.page_size(); }
+  int64_t pages_for(int64_t tokens) const { return (tokens + page_size() - 1) / page_size(); }
 
   void retire(Active& r) {
-    seqs_.release(r.seq);
+    release(r.seq);
     r.seq = -1;
     running_.erase(std::find(running_.begin(), running_.end(), &r));
     Finished f;
@@ -477,10 +599,10 @@ class Scheduler {
   }
 
   const Model& model_;
-  pagedkv::PagedCache<Layout>& cache_;
-  pagedkv::SequenceTable<Layout> seqs_;
-  std::unique_ptr<pagedkv::SequenceTable<Layout>> host_seqs_;
-  std::unique_ptr<pagedkv::PrefixCache<Layout>> prefix_;  // attached to seqs_; destroyed first
+  KvCaches<Layout>& caches_;
+  std::unique_ptr<pagedkv::SequenceTable<Layout>> full_, sliding_;  // either may be absent, not both
+  std::unique_ptr<pagedkv::SequenceTable<Layout>> full_host_, sliding_host_;  // both, or neither (no swapping)
+  std::unique_ptr<pagedkv::PrefixCache<Layout>> prefix_;  // attached to full_; destroyed first
   SchedulerOptions options_;
   std::function<void(Finished&&)> on_finished_;
   std::set<int64_t> eos_;

@@ -6,7 +6,8 @@ only: the checkpoint is written here with struct and json).
 
 Bad input (flags, a missing or truncated file, a malformed request line, a
 token outside the vocabulary, a prompt the pool can never hold, a config that
-disagrees with the weights) must give exit code 2 and a message naming the
+disagrees with the weights, a model family the example does not run, a
+prefix cache asked for over sliding-window layers) must give exit code 2 and a message naming the
 file, line and field; never a crash or a signal. A good run must exit 0 and
 write one output line per request.
 """
@@ -252,6 +253,11 @@ def main():
     with open(os.path.join(disagree, "config.json"), "w") as f:
         json.dump(dict(CONFIG, rope_scaling={"rope_type": "yarn", "factor": 2.0}), f)
     bad("unsupported rope type", ["--model", disagree, "--requests", good], ["config.json", "'rope_scaling.rope_type' is 'yarn'"])
+    with open(os.path.join(disagree, "config.json"), "w") as f:
+        json.dump(dict(CONFIG, model_type="phi3"), f)
+    bad("unknown family", ["--model", disagree, "--requests", good],
+        ["config.json", "'model_type' is 'phi3'", "gemma3_text"])
+    check_sliding(a, model, good, run, bad, failures)
     bad("unwritable --out", m + ["--requests", good, "--out", os.path.join(a.work, "no", "such", "dir.jsonl")],
         ["cannot open for writing (--out)"])
 
@@ -284,6 +290,32 @@ def main():
         return 1
     print("OK")
     return 0
+
+
+def check_sliding(a, model, good, run, bad, failures):
+    """The same weights as a Mistral (Llama's layers and a sliding window on
+    each): a second pool, the prefix cache off (refused when named), the
+    sliding pool's flag and stats."""
+    mistral = os.path.join(a.work, "mistral")
+    shutil.copytree(model, mistral)
+    with open(os.path.join(mistral, "config.json"), "w") as f:
+        json.dump(dict(CONFIG, model_type="mistral", sliding_window=3), f)
+    m = ["--model", mistral, "--requests", good]
+    stats = os.path.join(a.work, "mistral-stats.json")
+    rc, out, err = run(m + ["--max-new-tokens", "5", "--threads", "1", "--page-size", "2", "--stats", stats])
+    st = json.load(open(stats)) if rc == 0 else {}
+    ok = rc == 0 and len(out.splitlines()) == 2 and "prefix cache off" in err and "sliding-window layers" in err and \
+        st.get("sliding_window") == 3 and st.get("peak_pages_sliding", 0) > 0 and st.get("peak_pages_full") == 0 and \
+        st.get("prefix_cache") is False
+    print(f"{'ok  ' if ok else 'FAIL'} mistral (sliding window 3): exit {rc}, stats {st.get('peak_pages_sliding')} "
+          f"sliding pages at peak")
+    if not ok:
+        failures.append(f"mistral run: exit {rc}, stdout {out!r}, stderr {err}, stats {st}")
+    bad("prefix cache over sliding layers", m + ["--prefix-cache", "on"],
+        ["--prefix-cache on", "config.json", "sliding-window layers (window 3)"])
+    bad("prefix tier over sliding layers", m + ["--prefix-host-mb", "1"], ["need --prefix-cache on", "sliding-window"])
+    bad("a sliding pool too small", m + ["--n-pages-sliding", "1", "--page-size", "2"],
+        ["'prompt'", "sliding window of 3 tokens", "--n-pages-sliding"])
 
 
 if __name__ == "__main__":

@@ -28,6 +28,18 @@ than SLACK x transformers' own run in that format, and, for fp8 / int8, within
 QUANTIZED_PATH_TOLERANCE (per format) of transformers with the same K/V
 rounding.
 
+The other families (make_tiny_model.py's presets mistral, qwen2, qwen3,
+gemma2, gemma3: sliding windows of 8 to 14 tokens under prompts of up to
+100, q/k/v biases, q/k norms, soft-caps, Gemma's norms, two RoPE bases) in
+float32, tokens equal and logits within 1e-4 as above, two settings each,
+so that together they cover both layouts, page sizes 1, 7 and 16, the
+prefix cache on and off (qwen3, the one without a window) and refused by
+name when asked for over sliding layers, chunked prefill, one request at a
+time, pools that swap or recompute (the full pool and the sliding one),
+and the configs in transformers 4's spelling (no layer_types, Gemma 3's
+rope_local_base_freq); on sliding models the sliding pool must peak below
+the full one when requests decode past their window.
+
 Exit 0 when everything holds; transformers and torch must import (the test
 fails, never skips, without them).
 """
@@ -43,6 +55,7 @@ import make_tiny_model  # noqa: E402
 
 TOL = make_tiny_model.LOGIT_TOLERANCE
 SEEDS = {"gqa": 0, "mha": 0, "head-dim": 0}
+FAMILY_SEEDS = {"mistral": 0, "qwen2": 0, "qwen3": 0, "gemma2": 0, "gemma3": 0}
 
 # Reduced precision: engine flags, and the transformers run that computes the
 # same way (its dtype; or float32 with K and V rounded as the pages store
@@ -130,6 +143,18 @@ class Checker:
               f", max |logit difference| {worst:.3g}", flush=True)
         return worst
 
+    def refused(self, name, model_dir, flags, fragments):
+        """The engine exits 2 with a message holding every fragment."""
+        cmd = [self.llama, "--model", model_dir, "--requests", os.path.join(model_dir, "requests.jsonl"),
+               "--quiet"] + flags
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.runs += 1
+        missing = [f for f in fragments if f not in p.stderr]
+        if p.returncode != 2 or missing:
+            self.fail(f"{name}: expected exit 2 naming {fragments}, got exit {p.returncode}: {p.stderr.strip()}")
+        else:
+            print(f"  {name}: refused: {p.stderr.strip()}", flush=True)
+
     def approximate(self, name, model_dir, ref32, ref_same, flags, same_tolerance):
         """Reduced precision against transformers in float32 (ref32) and in
         the same format (ref_same): tokens agreeing up to each request's first
@@ -184,7 +209,7 @@ def main():
     os.makedirs(a.work)
     t0 = time.time()
     models, refs = {}, {}
-    for preset, seed in SEEDS.items():
+    for preset, seed in list(SEEDS.items()) + list(FAMILY_SEEDS.items()):
         d = os.path.join(a.work, preset)
         info = make_tiny_model.make(d, preset, seed)
         models[preset] = d
@@ -195,12 +220,13 @@ def main():
     # transformers 4's spelling of the same configs; transformers must read it as the same RoPE
     from transformers import AutoConfig
 
-    for preset in ("gqa", "mha"):
+    for preset in ("gqa", "mha", "mistral", "qwen2", "gemma2", "gemma3"):
         d = models[preset] + "-v4"
         make_tiny_model.write_v4_config(models[preset], d)
         shutil.copy(os.path.join(models[preset], "requests.jsonl"), d)
         v4, v5 = AutoConfig.from_pretrained(d), AutoConfig.from_pretrained(models[preset])
         assert v4.rope_parameters == v5.rope_parameters, (v4.rope_parameters, v5.rope_parameters)
+        assert getattr(v4, "layer_types", None) == getattr(v5, "layer_types", None), (v4.layer_types, v5.layer_types)
         models[preset + "-v4"] = d
     print(f"reference made in {time.time() - t0:.1f} s", flush=True)
 
@@ -231,6 +257,36 @@ def main():
     c.exact("headdim-nhd-p16", h, rh, ["--layout", "nhd"], [batched])
     c.exact("headdim-hnd-p6-swap", h, rh, ["--layout", "hnd", "--page-size", "6", "--n-pages", "24",
                                            "--max-batch-tokens", "40"], [swapped])
+    t_families = time.time()
+    print("the other families, float32: tokens equal, logits within %g" % TOL, flush=True)
+    sliding_freed = ("the sliding pool peaking below the full one", lambda s: s["peak_pages_sliding"] < s["peak_pages_full"])
+    windowed = ("a windowed pool", lambda s: s.get("sliding_window", 0) > 0)
+    F, R = models, refs
+    c.exact("mistral-nhd-p16-batched", F["mistral"], R["mistral"], ["--page-size", "16", "--max-batch-tokens", "64"],
+            [windowed, chunked, batched])
+    c.exact("mistral-v4config-hnd-p7-recompute", F["mistral"] + "-v4", R["mistral"],
+            ["--layout", "hnd", "--page-size", "7", "--n-pages", "10", "--max-batch-tokens", "40",
+             "--preempt", "recompute"], [windowed, recomputed])
+    c.exact("qwen2-hnd-p1-alone", F["qwen2"], R["qwen2"], ["--layout", "hnd", "--page-size", "1", "--max-seqs", "1"],
+            [windowed, alone, sliding_freed])
+    c.exact("qwen2-v4config-nhd-p7-swap", F["qwen2"] + "-v4", R["qwen2"],
+            ["--page-size", "7", "--n-pages", "20", "--max-batch-tokens", "48"], [windowed, swapped])
+    c.exact("qwen3-nhd-p16-prefix-swap", F["qwen3"], R["qwen3"],
+            ["--page-size", "16", "--n-pages", "12", "--max-batch-tokens", "64"], [hits, swapped, chunked])
+    c.exact("qwen3-hnd-p7-noprefix", F["qwen3"], R["qwen3"], ["--layout", "hnd", "--page-size", "7",
+                                                             "--prefix-cache", "off"], [no_hits, batched])
+    c.exact("gemma2-nhd-p16-sliding-swap", F["gemma2"], R["gemma2"],
+            ["--page-size", "16", "--n-pages-sliding", "6", "--max-batch-tokens", "40"], [windowed, swapped, chunked])
+    c.exact("gemma2-v4config-hnd-p7", F["gemma2"] + "-v4", R["gemma2"], ["--layout", "hnd", "--page-size", "7"],
+            [windowed, batched])
+    c.exact("gemma3-hnd-p1-chunked", F["gemma3"], R["gemma3"],
+            ["--layout", "hnd", "--page-size", "1", "--max-batch-tokens", "32"], [windowed, chunked, sliding_freed])
+    c.exact("gemma3-v4config-nhd-p7-sliding-recompute", F["gemma3"] + "-v4", R["gemma3"],
+            ["--page-size", "7", "--n-pages-sliding", "9", "--max-batch-tokens", "24", "--preempt", "recompute"],
+            [windowed, recomputed, sliding_freed])
+    c.refused("gemma2-prefix-cache-on", F["gemma2"], ["--prefix-cache", "on"],
+              ["--prefix-cache on", "sliding-window layers", "config.json"])
+    print(f"the other families checked in {time.time() - t_families:.1f} s", flush=True)
     print("reduced precision: against transformers in float32 and in the same format", flush=True)
     summary = []
     t1 = time.time()

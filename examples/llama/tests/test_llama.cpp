@@ -178,6 +178,9 @@ struct TinySpec {
   int64_t vocab = 61, hidden = 32, intermediate = 48, layers = 2, heads = 4, kv_heads = 2, head_dim = 8;
   bool tie = false;
   bool llama3 = false;
+  /// >= 1: a Qwen2 instead (q/k/v biases) whose layers from 1 on attend
+  /// through a sliding window of this many tokens.
+  int64_t window = 0;
 };
 
 /// Random weights of a tiny Llama, by transformers' tensor names.
@@ -201,6 +204,12 @@ std::map<std::string, at::Tensor> tiny_weights(const TinySpec& s, uint64_t seed)
   }
   w["model.norm.weight"] = 4 * norm(s.hidden);
   if (!s.tie) w["lm_head.weight"] = lin(s.vocab, s.hidden);
+  for (int64_t l = 0; s.window > 0 && l < s.layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".self_attn.";
+    w[p + "q_proj.bias"] = 0.5 * at::randn({s.heads * s.head_dim});
+    w[p + "k_proj.bias"] = 0.5 * at::randn({s.kv_heads * s.head_dim});
+    w[p + "v_proj.bias"] = 0.5 * at::randn({s.kv_heads * s.head_dim});
+  }
   return w;
 }
 
@@ -216,6 +225,12 @@ nlohmann::json tiny_config(const TinySpec& s) {
     c["rope_parameters"] = {{"rope_type", "llama3"},     {"rope_theta", 500000.0},
                             {"factor", 4.0},             {"low_freq_factor", 1.0},
                             {"high_freq_factor", 4.0},   {"original_max_position_embeddings", 32}};
+  }
+  if (s.window > 0) {
+    c["model_type"] = "qwen2";
+    c["use_sliding_window"] = true;
+    c["sliding_window"] = s.window;
+    c["max_window_layers"] = 1;
   }
   return c;
 }
@@ -373,9 +388,9 @@ TEST(Config, BadFieldsAreNamed) {
   bad([](auto& c) { c["head_dim"] = 7; }, {"'head_dim' expected an even number"});
   bad([](auto& c) { c["rope_parameters"]["rope_type"] = "yarn"; }, {"'rope_parameters.rope_type' is 'yarn'"});
   bad([](auto& c) { c["rope_parameters"]["rope_type"] = "llama3"; }, {"'rope_parameters.factor' is missing"});
-  bad([](auto& c) { c["attention_bias"] = true; }, {"'attention_bias' is true"});
+  bad([](auto& c) { c["mlp_bias"] = true; }, {"'mlp_bias' is true"});
   bad([](auto& c) { c["hidden_act"] = "gelu"; }, {"'hidden_act' is 'gelu'"});
-  bad([](auto& c) { c["model_type"] = "mistral"; }, {"'model_type' is 'mistral'"});
+  bad([](auto& c) { c["model_type"] = "phi3"; }, {"config.json", "'model_type' is 'phi3'", "gemma3_text"});
   bad([](auto& c) { c["eos_token_id"] = nlohmann::json::array({1, 99}); }, {"'eos_token_id'"});
   bad([](auto& c) { c["rms_norm_eps"] = -1; }, {"'rms_norm_eps' expected a number > 0"});
   expect_input_error([] { llama::parse_config("config.json", "{\"vocab_size\": "); }, {"config.json", "not valid JSON"});
@@ -384,6 +399,155 @@ TEST(Config, BadFieldsAreNamed) {
   EXPECT_EQ(config_of(eos).eos_token_ids, (std::vector<int64_t>{1, 2}));
   eos["eos_token_id"] = 7;
   EXPECT_EQ(config_of(eos).eos_token_ids, (std::vector<int64_t>{7}));
+}
+
+/// A config of `family` over the tiny shape, with `extra` fields merged in.
+nlohmann::json family_config(const std::string& family, int64_t layers, const nlohmann::json& extra = {}) {
+  TinySpec s;
+  s.layers = layers;
+  nlohmann::json c = tiny_config(s);
+  c["model_type"] = family;
+  for (const auto& item : extra.items()) c[item.key()] = item.value();
+  return c;
+}
+
+std::vector<bool> sliding_layers(std::initializer_list<int> layers, int64_t n) {
+  std::vector<bool> v(static_cast<size_t>(n), false);
+  for (int l : layers) v[static_cast<size_t>(l)] = true;
+  return v;
+}
+
+TEST(Config, FamiliesReadAsTransformersDoes) {
+  // llama: no window, no biases (attention_bias: every projection of attention)
+  llama::LlamaConfig c = config_of(family_config("llama", 2, {{"attention_bias", true}}));
+  EXPECT_EQ(c.sliding_window, 0);
+  EXPECT_EQ(c.n_sliding_layers(), 0);
+  EXPECT_TRUE(c.qkv_bias && c.o_bias);
+  EXPECT_FALSE(c.gemma || c.qk_norm);
+  EXPECT_DOUBLE_EQ(c.attn_scale, std::pow(8.0, -0.5));
+
+  // mistral: the window on every layer; 4096 when absent, none when null
+  c = config_of(family_config("mistral", 3, {{"sliding_window", 6}}));
+  EXPECT_EQ(c.sliding_window, 6);
+  EXPECT_EQ(c.sliding, sliding_layers({0, 1, 2}, 3));
+  EXPECT_FALSE(c.qkv_bias);
+  nlohmann::json m = family_config("mistral", 2);
+  m.erase("sliding_window");
+  EXPECT_EQ(config_of(m).sliding_window, 4096);
+  EXPECT_EQ(config_of(family_config("mistral", 2, {{"sliding_window", nullptr}})).n_sliding_layers(), 0);
+
+  // qwen2: q/k/v biases (not o); the window from max_window_layers on, only with use_sliding_window
+  c = config_of(family_config("qwen2", 4, {{"use_sliding_window", true}, {"sliding_window", 12}, {"max_window_layers", 2}}));
+  EXPECT_TRUE(c.qkv_bias);
+  EXPECT_FALSE(c.o_bias);
+  EXPECT_EQ(c.sliding, sliding_layers({2, 3}, 4));
+  EXPECT_EQ(c.sliding_window, 12);
+  c = config_of(family_config("qwen2", 4, {{"use_sliding_window", false}, {"sliding_window", 12}, {"max_window_layers", 0}}));
+  EXPECT_EQ(c.n_sliding_layers(), 0);
+  EXPECT_EQ(c.sliding_window, 0);
+  // transformers 5 writes layer_types, which win over the rule
+  c = config_of(family_config("qwen2", 3, {{"use_sliding_window", true}, {"sliding_window", 12}, {"max_window_layers", 0},
+                                           {"layer_types", {"full_attention", "sliding_attention", "full_attention"}}}));
+  EXPECT_EQ(c.sliding, sliding_layers({1}, 3));
+
+  // qwen3: q/k norms, head_dim 128 unless given, attention_bias
+  nlohmann::json q3 = family_config("qwen3", 2, {{"attention_bias", true}});
+  q3.erase("head_dim");
+  c = config_of(q3);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_TRUE(c.qk_norm && c.qkv_bias && c.o_bias);
+  EXPECT_FALSE(c.gemma);
+
+  // gemma2: alternating from a sliding layer 0, soft-caps 50 / 30 unless null,
+  // query_pre_attn_scalar 256, tied embeddings, head_dim 256 by default
+  nlohmann::json g2 = family_config("gemma2", 4, {{"sliding_window", 8}});
+  g2.erase("tie_word_embeddings");
+  g2.erase("head_dim");
+  c = config_of(g2);
+  EXPECT_EQ(c.sliding, sliding_layers({0, 2}, 4));
+  EXPECT_DOUBLE_EQ(c.attn_softcap, 50.0);
+  EXPECT_DOUBLE_EQ(c.final_softcap, 30.0);
+  EXPECT_DOUBLE_EQ(c.attn_scale, 1.0 / 16);
+  EXPECT_TRUE(c.tie_word_embeddings && c.gemma);
+  EXPECT_EQ(c.head_dim, 256);
+  EXPECT_FALSE(c.qk_norm || c.local_rope);
+  c = config_of(family_config("gemma2", 2, {{"attn_logit_softcapping", nullptr}, {"final_logit_softcapping", nullptr},
+                                            {"query_pre_attn_scalar", 24}}));
+  EXPECT_EQ(c.attn_softcap, 0.0);
+  EXPECT_EQ(c.final_softcap, 0.0);
+  EXPECT_DOUBLE_EQ(c.attn_scale, std::pow(24.0, -0.5));
+
+  // gemma3_text: 5 sliding : 1 full, q/k norms, two RoPEs in both spellings
+  nlohmann::json g3 = family_config("gemma3_text", 7, {{"sliding_window", 10}});
+  g3["rope_parameters"] = {{"full_attention", {{"rope_type", "linear"}, {"factor", 4.0}, {"rope_theta", 1e6}}},
+                           {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 1e4}}}};
+  c = config_of(g3);
+  EXPECT_EQ(c.sliding, sliding_layers({0, 1, 2, 3, 4, 6}, 7));
+  EXPECT_TRUE(c.qk_norm && c.gemma && c.local_rope);
+  EXPECT_EQ(c.attn_softcap, 0.0);
+  EXPECT_EQ(c.final_softcap, 0.0);
+  EXPECT_EQ(c.rope.type, "linear");
+  EXPECT_EQ(c.rope_of(5).theta, 1e6);
+  EXPECT_EQ(c.rope_of(0).theta, 1e4);
+  nlohmann::json g3v4 = g3;
+  g3v4.erase("rope_parameters");
+  g3v4["rope_theta"] = 1e6;
+  g3v4["rope_local_base_freq"] = 1e4;
+  g3v4["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 4.0}};
+  g3v4["sliding_window_pattern"] = 6;
+  const llama::LlamaConfig c4 = config_of(g3v4);
+  EXPECT_EQ(c4.sliding, c.sliding);
+  EXPECT_TRUE(at::equal(llama::rope_inv_freq(c4, c4.rope), llama::rope_inv_freq(c, c.rope)));
+  EXPECT_TRUE(at::equal(llama::rope_inv_freq(c4, c4.rope_local), llama::rope_inv_freq(c, c.rope_local)));
+  // linear scaling divides the default frequencies by the factor
+  llama::RopeConfig plain = c.rope;
+  plain.type = "default";
+  EXPECT_TRUE(at::allclose(llama::rope_inv_freq(c, c.rope) * 4.0, llama::rope_inv_freq(c, plain)));
+}
+
+TEST(Config, FamilyRefusalsAreNamed) {
+  const auto bad = [](const nlohmann::json& c, std::initializer_list<const char*> fragments) {
+    expect_input_error([&] { config_of(c); }, fragments);
+  };
+  bad(family_config("gemma3", 2), {"config.json", "'model_type' is 'gemma3'", "gemma3_text"});
+  bad(family_config("phi3", 2), {"'model_type' is 'phi3'", "llama, mistral, qwen2, qwen3, gemma2, gemma3_text"});
+  bad(family_config("gemma2", 2, {{"hidden_activation", "gelu"}}), {"'hidden_activation' is 'gelu'"});
+  bad(family_config("qwen2", 2, {{"hidden_act", "gelu"}}), {"'hidden_act' is 'gelu'"});
+  bad(family_config("gemma2", 2, {{"layer_types", {"full_attention", "chunked_attention"}}}),
+      {"'layer_types[1]' is 'chunked_attention'"});
+  bad(family_config("gemma2", 2, {{"layer_types", {"full_attention"}}}), {"'layer_types' expected a list of", "(2)"});
+  bad(family_config("qwen2", 2, {{"layer_types", {"full_attention", "sliding_attention"}}}),
+      {"'layer_types' names sliding_attention layers", "'use_sliding_window' is false"});
+  bad(family_config("gemma2", 2, {{"sliding_window", nullptr}}), {"names sliding_attention layers", "is null"});
+  bad(family_config("mistral", 2, {{"sliding_window", 0}}), {"'sliding_window' expected an integer >= 1"});
+  bad(family_config("qwen2", 2, {{"use_sliding_window", true}, {"max_window_layers", -1}}),
+      {"'max_window_layers' expected an integer >= 0"});
+  bad(family_config("gemma3_text", 2, {{"use_bidirectional_attention", true}}), {"'use_bidirectional_attention' is true"});
+  bad(family_config("gemma3_text", 2, {{"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1e4}}}}),
+      {"'rope_parameters' expected an object with 'full_attention' and 'sliding_attention'"});
+  bad(family_config("gemma3_text", 2,
+                    {{"rope_parameters", {{"full_attention", {{"rope_type", "yarn"}}}, {"sliding_attention", {}}}}}),
+      {"'rope_parameters.full_attention.rope_type' is 'yarn'"});
+  bad(family_config("gemma3_text", 2, {{"rope_parameters", {{"full_attention", {}}, {"chunked_attention", {}}}}}),
+      {"'rope_parameters.chunked_attention'"});
+  bad(family_config("qwen3", 2, {{"rope_parameters", {{"full_attention", {}}, {"sliding_attention", {}}}}}),
+      {"per-layer-type rope parameters are implemented for gemma3_text only"});
+  bad(family_config("llama", 2, {{"rope_parameters", {{"rope_type", "linear"}, {"rope_theta", 1e4}}}}),
+      {"'rope_parameters.factor' is missing"});
+}
+
+TEST(Checkpoint, FamilyWeightsAreNamed) {
+  // A Llama's weights under a qwen2 config: its q/k/v biases are missing.
+  const TinySpec s;
+  const fs::path dir = temp_dir("family-weights");
+  write_checkpoint(dir, tiny_config(s), tiny_weights(s, 1));
+  expect_input_error([&] { llama::Model(config_of(family_config("qwen2", 2)), llama::Checkpoint(dir.string()), at::kFloat, at::kCPU); },
+                     {"model.layers.0.self_attn.q_proj.bias"});
+  expect_input_error([&] { llama::Model(config_of(family_config("qwen3", 2)), llama::Checkpoint(dir.string()), at::kFloat, at::kCPU); },
+                     {"model.layers.0.self_attn.q_norm.weight"});
+  expect_input_error([&] { llama::Model(config_of(family_config("gemma2", 2)), llama::Checkpoint(dir.string()), at::kFloat, at::kCPU); },
+                     {"model.layers.0.pre_feedforward_layernorm.weight"});
+  fs::remove_all(dir);
 }
 
 // ---- requests ----
@@ -448,13 +612,20 @@ at::Tensor plain_logits(const std::map<std::string, at::Tensor>& w, const TinySp
   const auto norm = [&](const at::Tensor& v, const at::Tensor& g) {
     return g * (v * at::rsqrt(v.pow(2).mean(-1, true) + 1e-5));
   };
-  const at::Tensor mask = at::ones({T, T}, at::kBool).triu(1);
+  const at::Tensor causal = at::ones({T, T}, at::kBool).triu(1);
+  // Sliding layers also hide key j from query i when j <= i - window.
+  const at::Tensor windowed = s.window > 0 ? causal.logical_or(at::ones({T, T}, at::kBool).tril(-s.window)) : causal;
+  const auto proj = [&](const at::Tensor& h, const std::string& name) {
+    return w.count(name + ".bias") != 0 ? at::linear(h, w.at(name + ".weight"), w.at(name + ".bias"))
+                                        : at::linear(h, w.at(name + ".weight"));
+  };
   for (int64_t l = 0; l < s.layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
+    const at::Tensor& mask = s.window > 0 && l >= 1 ? windowed : causal;
     const at::Tensor h = norm(x, w.at(p + "input_layernorm.weight"));
-    at::Tensor q = at::linear(h, w.at(p + "self_attn.q_proj.weight")).view({T, s.heads, D});
-    at::Tensor k = at::linear(h, w.at(p + "self_attn.k_proj.weight")).view({T, s.kv_heads, D});
-    const at::Tensor v = at::linear(h, w.at(p + "self_attn.v_proj.weight")).view({T, s.kv_heads, D});
+    at::Tensor q = proj(h, p + "self_attn.q_proj").view({T, s.heads, D});
+    at::Tensor k = proj(h, p + "self_attn.k_proj").view({T, s.kv_heads, D});
+    const at::Tensor v = proj(h, p + "self_attn.v_proj").view({T, s.kv_heads, D});
     q = q * cos + llama::rotate_half(q) * sin;
     k = k * cos + llama::rotate_half(k) * sin;
     const int64_t group = s.heads / s.kv_heads;
@@ -478,13 +649,18 @@ struct Expected {
   std::vector<at::Tensor> logits;
 };
 
-class EngineVsPlain : public ::testing::Test {
+/// Window 0: a Llama, one pool; else a Qwen2 of 3 layers whose layers 1
+/// and 2 slide (TinySpec::window): two pools, two tables.
+template <int64_t Window>
+class EngineVsPlainT : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    spec_.llama3 = true;
+    spec_.llama3 = Window == 0;
     spec_.kv_heads = 1;  // MQA: query heads 0-3 all read kv head 0
+    spec_.window = Window;
+    if (Window > 0) spec_.layers = 3;
     weights_ = new std::map<std::string, at::Tensor>(tiny_weights(spec_, 7));
-    dir_ = new fs::path(temp_dir("engine"));
+    dir_ = new fs::path(temp_dir(Window > 0 ? "engine-sliding" : "engine"));
     nlohmann::json config = tiny_config(spec_);
     config["eos_token_id"] = nullptr;
     write_checkpoint(*dir_, config, *weights_);
@@ -537,29 +713,40 @@ class EngineVsPlain : public ::testing::Test {
     delete expected_;
   }
 
+  void random_schedules(int runs, uint32_t seed);
+
   /// Serves every request; checks tokens and logits against the plain run.
+  /// The sliding pool has n_pages_sliding pages (-1: n_pages).
   template <class Layout>
   llama::SchedulerStats serve(int64_t page_size, int64_t n_pages, llama::SchedulerOptions options,
-                              int64_t host_pages = -1) {
+                              int64_t host_pages = -1, int64_t n_pages_sliding = -1) {
     options.keep_logits = true;
     const llama::Model model(*config_, llama::Checkpoint(dir_->string()), at::kFloat, at::kCPU);
-    pagedkv::PagedCache<Layout> cache(spec_.layers, n_pages, page_size, spec_.kv_heads, spec_.head_dim,
-                                      at::TensorOptions().dtype(at::kFloat));
-    std::unique_ptr<pagedkv::PagedCache<Layout>> host;
-    if (host_pages > 0) {
-      host = std::make_unique<pagedkv::PagedCache<Layout>>(spec_.layers, host_pages, page_size, spec_.kv_heads,
-                                                           spec_.head_dim, at::TensorOptions().dtype(at::kFloat));
+    llama::KvCaches<Layout> caches;
+    const auto make = [&](int64_t layers, int64_t pages) {
+      return std::make_unique<pagedkv::PagedCache<Layout>>(layers, pages, page_size, spec_.kv_heads, spec_.head_dim,
+                                                           at::TensorOptions().dtype(at::kFloat));
+    };
+    caches.full = make(model.n_full_layers(), n_pages);
+    if (host_pages > 0) caches.full_host = make(model.n_full_layers(), host_pages);
+    if (model.n_sliding_layers() > 0) {
+      caches.sliding = make(model.n_sliding_layers(), n_pages_sliding > 0 ? n_pages_sliding : n_pages);
+      if (host_pages > 0) caches.sliding_host = make(model.n_sliding_layers(), host_pages);
     }
     std::map<std::string, llama::Finished> got;
     llama::SchedulerStats stats;
     {
-      llama::Scheduler<Layout> scheduler(model, cache, host.get(), options,
+      llama::Scheduler<Layout> scheduler(model, caches, options,
                                          [&](llama::Finished&& f) { got[f.id] = std::move(f); });
       for (const auto& r : *requests_) scheduler.add(r);
       while (scheduler.step()) {
       }
       stats = scheduler.stats();
     }
+    if (caches.sliding) {
+      EXPECT_EQ(caches.sliding->n_free(), caches.sliding->n_pages()) << "sliding pages leaked";
+    }
+    const pagedkv::PagedCache<Layout>& cache = *caches.full;
     EXPECT_EQ(cache.n_free(), cache.n_pages()) << "pages leaked";
     EXPECT_GT(min_gap_, 2e-4) << "the plain run has a near-tie; change the seeds";
     for (const auto& r : *requests_) {
@@ -586,13 +773,25 @@ class EngineVsPlain : public ::testing::Test {
   static double min_gap_;
 };
 
-TinySpec EngineVsPlain::spec_;
-std::map<std::string, at::Tensor>* EngineVsPlain::weights_ = nullptr;
-fs::path* EngineVsPlain::dir_ = nullptr;
-llama::LlamaConfig* EngineVsPlain::config_ = nullptr;
-std::vector<llama::Request>* EngineVsPlain::requests_ = nullptr;
-std::map<std::string, Expected>* EngineVsPlain::expected_ = nullptr;
-double EngineVsPlain::min_gap_ = std::numeric_limits<double>::infinity();
+template <int64_t W>
+TinySpec EngineVsPlainT<W>::spec_;
+template <int64_t W>
+std::map<std::string, at::Tensor>* EngineVsPlainT<W>::weights_ = nullptr;
+template <int64_t W>
+fs::path* EngineVsPlainT<W>::dir_ = nullptr;
+template <int64_t W>
+llama::LlamaConfig* EngineVsPlainT<W>::config_ = nullptr;
+template <int64_t W>
+std::vector<llama::Request>* EngineVsPlainT<W>::requests_ = nullptr;
+template <int64_t W>
+std::map<std::string, Expected>* EngineVsPlainT<W>::expected_ = nullptr;
+template <int64_t W>
+double EngineVsPlainT<W>::min_gap_ = std::numeric_limits<double>::infinity();
+
+using EngineVsPlain = EngineVsPlainT<0>;
+/// A window of 5 under prompts of up to 53 tokens, with pages of 1 to 7:
+/// windows start inside pages and on their boundaries.
+using SlidingEngineVsPlain = EngineVsPlainT<5>;
 
 // Speculative decoding: the drafts verified in the step's pass and the
 // rejected ones rolled back leave the tokens and the logits of each token
@@ -610,6 +809,23 @@ TEST_F(EngineVsPlain, SpeculativeDecodingKeepsTokensAndLogits) {
     serve<pagedkv::HND>(3, 24, o);
     o.swap = true;
     serve<pagedkv::NHD>(1, 60, o, 200);
+  }
+}
+
+// On two tables: the full one truncates the rejected drafts, the windowed
+// one never commits them.
+TEST_F(SlidingEngineVsPlain, SpeculativeDecodingKeepsTokensAndLogits) {
+  for (const int64_t k : {1, 4}) {
+    llama::SchedulerOptions o;
+    o.speculate = k;
+    o.max_batch_tokens = 24;
+    const auto s = serve<pagedkv::NHD>(4, 200, o);
+    EXPECT_GT(s.spec_proposed_tokens, 0) << "K=" << k;
+    o.swap = false;
+    serve<pagedkv::HND>(3, 24, o);
+    o.swap = true;
+    // Pages of 1: a request's window and step need 5 - 1 + 24 + 1 pages.
+    serve<pagedkv::NHD>(1, 60, o, 200, /*n_pages_sliding=*/32);
   }
 }
 
@@ -675,16 +891,15 @@ namespace {
 /// Random engine settings, each served in full against the plain run: the
 /// scheduler must terminate, leak no page and give the same tokens whatever
 /// it chose to batch, chunk, cache, swap or recompute.
-TEST_F(EngineVsPlain, RandomSchedulesAgree) {
-  std::mt19937 rng(11);
+template <int64_t Window>
+void EngineVsPlainT<Window>::random_schedules(int runs, uint32_t seed) {
+  std::mt19937 rng(seed);
   const auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   int64_t swapped = 0, recomputed = 0, chunked = 0;
-  for (int run = 0; run < 64; ++run) {
+  for (int run = 0; run < runs; ++run) {
     const int64_t page_size = pick(1, 7);
     int64_t need = 0;  // the largest request alone
-    for (const auto& r : *requests_) {
-      need = std::max(need, (static_cast<int64_t>(r.prompt.size()) + r.max_new_tokens - 1 + page_size - 1) / page_size);
-    }
+    for (const auto& r : *requests_) need = std::max(need, llama::pages_needed(r, page_size));
     llama::SchedulerOptions o;
     o.max_batch_tokens = pick(1, 40);
     o.max_seqs = pick(1, 6);
@@ -692,12 +907,21 @@ TEST_F(EngineVsPlain, RandomSchedulesAgree) {
     o.swap = pick(0, 2) != 0;
     const int64_t n_pages = need + pick(0, need);  // tight pools: preemption and eviction
     const int64_t host_pages = pick(0, 1) == 1 ? pick(1, 3 * need) : -1;
+    int64_t n_sliding = -1;
+    if (Window > 0) {  // a tight sliding pool too
+      int64_t need_sliding = 0;
+      for (const auto& r : *requests_) {
+        need_sliding = std::max(need_sliding, llama::pages_needed(r, page_size, Window, o.max_batch_tokens));
+      }
+      n_sliding = need_sliding + pick(0, need_sliding);
+    }
     SCOPED_TRACE("run " + std::to_string(run) + ": page_size " + std::to_string(page_size) + ", pages " +
-                 std::to_string(n_pages) + ", host pages " + std::to_string(host_pages) + ", budget " +
-                 std::to_string(o.max_batch_tokens) + ", max_seqs " + std::to_string(o.max_seqs) + ", prefix " +
-                 std::to_string(o.prefix_cache) + ", swap " + std::to_string(o.swap));
-    const auto s = run % 2 == 0 ? serve<pagedkv::NHD>(page_size, n_pages, o, host_pages)
-                                : serve<pagedkv::HND>(page_size, n_pages, o, host_pages);
+                 std::to_string(n_pages) + ", sliding pages " + std::to_string(n_sliding) + ", host pages " +
+                 std::to_string(host_pages) + ", budget " + std::to_string(o.max_batch_tokens) + ", max_seqs " +
+                 std::to_string(o.max_seqs) + ", prefix " + std::to_string(o.prefix_cache) + ", swap " +
+                 std::to_string(o.swap));
+    const auto s = run % 2 == 0 ? serve<pagedkv::NHD>(page_size, n_pages, o, host_pages, n_sliding)
+                                : serve<pagedkv::HND>(page_size, n_pages, o, host_pages, n_sliding);
     swapped += s.preempted_swap;
     recomputed += s.preempted_recompute;
     chunked += s.chunks;
@@ -706,6 +930,51 @@ TEST_F(EngineVsPlain, RandomSchedulesAgree) {
   EXPECT_GT(recomputed, 0);
   EXPECT_GT(chunked, 0);
 }
+
+TEST_F(EngineVsPlain, RandomSchedulesAgree) { random_schedules(64, 11); }
+
+// ---- sliding-window layers: a second pool and a windowed table ----
+
+TEST_F(SlidingEngineVsPlain, AllAtOnceChunkedWithoutPrefixCache) {
+  llama::SchedulerOptions o;
+  o.max_batch_tokens = 16;
+  const auto s = serve<pagedkv::NHD>(4, 200, o);  // prefix_cache asked for: off over sliding layers
+  EXPECT_GT(s.chunks, 0);
+  EXPECT_GT(s.peak_batch_seqs, 1);
+  EXPECT_EQ(s.prefix_hit_tokens, 0);
+  EXPECT_GT(s.peak_pages_sliding, 0);
+  EXPECT_LT(s.peak_pages_sliding, s.peak_pages_full);  // out-of-window pages went back
+  EXPECT_LE(s.peak_pages, s.peak_pages_full + s.peak_pages_sliding);  // the peak of the sum
+  EXPECT_GE(s.peak_pages, s.peak_pages_full);
+}
+
+TEST_F(SlidingEngineVsPlain, PageOfOneAndOfSevenHND) {
+  llama::SchedulerOptions o;
+  o.max_seqs = 2;
+  for (int64_t page_size : {1, 7}) {
+    SCOPED_TRACE("page_size " + std::to_string(page_size));
+    const auto s = serve<pagedkv::HND>(page_size, 400, o);
+    EXPECT_LT(s.peak_pages_sliding, s.peak_pages_full);
+  }
+}
+
+TEST_F(SlidingEngineVsPlain, SmallSlidingPoolSwapsBothTables) {
+  llama::SchedulerOptions o;
+  o.max_batch_tokens = 8;
+  // A request's window and step: ceil((5 - 1 + 8) / 2) + 1 = 7 pages of 2.
+  const auto s = serve<pagedkv::NHD>(2, 200, o, /*host_pages=*/200, /*n_pages_sliding=*/8);
+  EXPECT_GT(s.preempted_swap, 0);
+  EXPECT_LE(s.peak_pages_sliding, 8);
+}
+
+TEST_F(SlidingEngineVsPlain, SmallFullPoolRecomputes) {
+  llama::SchedulerOptions o;
+  o.swap = false;
+  const auto s = serve<pagedkv::HND>(3, 20, o);
+  EXPECT_GT(s.preempted_recompute, 0);
+}
+
+TEST_F(SlidingEngineVsPlain, RandomSchedulesAgree) { random_schedules(24, 12); }
 
 }  // namespace
 
