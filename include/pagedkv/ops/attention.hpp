@@ -34,9 +34,12 @@ inline Kernels attention_kernels_for(const Storage& s) {
 }
 
 /// Causal attention of q [B, Sq, n_heads, D] (the storage's dtype) over
-/// layer `layer`: query s of row b at position lengths[b] - Sq + s.
-/// Validated: Sq >= 1, lengths[b] >= Sq, every page holding [0, lengths[b])
-/// mapped and allocated; options.scale > 0. `bound_lengths`: `lengths` are
+/// layer `layer`: query s of row b at position lengths[b] - Sq + s, with
+/// the options (window, soft-cap, sinks, tree mask) AttentionOptions says.
+/// Validated: Sq >= 1, lengths[b] >= Sq, every page holding positions
+/// [checks::first_visible(lengths[b], Sq, options.window), lengths[b])
+/// mapped and allocated (the columns before may be -1); options.scale > 0
+/// and the other options checked (checks::attention_options). `bound_lengths`: `lengths` are
 /// the bound view's (table.bound), which the CUDA kernels read on the device.
 /// Returns [B, Sq, n_heads, D] in q's dtype.
 inline at::Tensor attention(const Storage& s, int64_t layer, const Table& table, const std::vector<int64_t>& lengths,
