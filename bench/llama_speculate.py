@@ -93,12 +93,15 @@ def main():
     ap.add_argument("--preset", default="bench", help="make_tiny_model.py's preset (gqa: a quick check)")
     ap.add_argument("--work", default="/tmp/pagedkv-speculate")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--workloads", default="copying,random", help="which of copying,random to serve")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
     models = make_models(a.preset, a.work)
     requests = prompts(a.requests, a.prompt, make_tiny_model.PRESETS[a.preset]["vocab_size"], 1)
     rows = []
     for name, model_dir in models.items():
+        if name not in a.workloads.split(","):
+            continue
         times, outputs = {}, {}
         for spec in (0, a.speculate):
             extra = ["--speculate", str(spec)] if spec else []
