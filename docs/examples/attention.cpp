@@ -134,8 +134,8 @@ void attention_sample() {
     pagedkv::AttentionOptions tree;
     tree.tree_mask = at::tensor({1, 0, 0,    // query 0 sees new token 0
                                  1, 1, 0,    // query 1: 0 and 1
-                                 1, 0, 1},   // query 2: 0 and 2 (not its sibling 1)
-                                at::kBool).view({1, 3, 3});  // [B, Sq, Sq]
+                                 1, 0, 1})   // query 2: 0 and 2 (not its sibling 1)
+                         .view({1, 3, 3}).to(at::kBool);  // [B, Sq, Sq] bool
     at::Tensor drafts = pagedkv::paged_attention(verify, layer, q3, tree);  // [1, 3, 32, 128]
     //! [tree]
     const at::Tensor context_k = at::cat({k_all, k3.narrow(1, 0, 1), k3.narrow(1, 2, 1)}, 1);
