@@ -87,6 +87,21 @@ def layout(request):
     return request.param
 
 
+class generic_backend:
+    """pagedkv._C._GenericBackend when `on`: the ATen path CUDA tensors take, forced on the CPU."""
+
+    def __init__(self, on):
+        self.scope = pagedkv._C._GenericBackend() if on else None
+
+    def __enter__(self):
+        if self.scope is not None:
+            self.scope.__enter__()
+
+    def __exit__(self, *exc):
+        if self.scope is not None:
+            self.scope.__exit__(*exc)
+
+
 def make_cache(layout="NHD", dtype=torch.float32, n_layers=2, n_pages=16, page_size=4, n_kv_heads=2, head_dim=8,
                **formats):
     return pagedkv.PagedCache(n_layers, n_pages, page_size, n_kv_heads, head_dim, "cpu", dtype, layout, **formats)

@@ -9,24 +9,10 @@ import pytest
 import torch
 
 import pagedkv
-from conftest import assert_bit_equal, make_cache, needs_compile, raises_runtime, snapshot, assert_unchanged
+from conftest import (assert_bit_equal, assert_unchanged, generic_backend, make_cache, needs_compile, raises_runtime,
+                      snapshot)
 
 ops = torch.ops.pagedkv
-
-
-class generic_backend:
-    """pagedkv._C._GenericBackend when `on`: the ATen path CUDA tensors take, forced on the CPU."""
-
-    def __init__(self, on):
-        self.scope = pagedkv._C._GenericBackend() if on else None
-
-    def __enter__(self):
-        if self.scope is not None:
-            self.scope.__enter__()
-
-    def __exit__(self, *exc):
-        if self.scope is not None:
-            self.scope.__exit__(*exc)
 
 
 def reference(q, k, v, lengths, scale=0.0, window=0, softcap=0.0, sinks=None, tree_mask=None):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pagedkv
-from conftest import (DTYPES, LAYOUTS, assert_bit_equal, make_cache, needs_opcheck)
+from conftest import (DTYPES, LAYOUTS, assert_bit_equal, generic_backend, make_cache, needs_opcheck)
 
 ops = torch.ops.pagedkv
 FORMATS = [("native", "native"), ("fp8", "fp8"), ("int8", "int8"), ("fp8", "int8"), ("native", "int8")]
@@ -94,21 +94,6 @@ def run_pair(a, b, seed, steps=40, generic=False):
             assert_bit_equal(g[1], w[1], "step %d gather %d v" % (step, i))
             compared += 1
     return compared
-
-
-class generic_backend:
-    """pagedkv._C._GenericBackend when `on`: the ATen path CUDA tensors take, forced on the CPU."""
-
-    def __init__(self, on):
-        self.scope = pagedkv._C._GenericBackend() if on else None
-
-    def __enter__(self):
-        if self.scope is not None:
-            self.scope.__enter__()
-
-    def __exit__(self, *exc):
-        if self.scope is not None:
-            self.scope.__exit__(*exc)
 
 
 @pytest.mark.parametrize("formats", FORMATS, ids=FORMAT_IDS)
