@@ -50,6 +50,7 @@ struct Options {
   int64_t page_size = 16;
   int64_t n_pages = 0;  // 0: enough for every request at once
   int64_t n_pages_sliding = 0;  // the sliding-window layers' pool; 0: enough for every request's window at once
+  bool free_out_of_window = true;  // --sliding-pages window (else all)
   int64_t max_batch_tokens = 2048;
   bool prefix_cache = true;
   bool prefix_cache_given = false;  // --prefix-cache on named on the command line (else the default)
@@ -103,6 +104,10 @@ void usage() {
       "Beyond the fixed flags above:\n"
       "  --n-pages-sliding N     pages in the sliding-window layers' pool (default: enough for every\n"
       "                          request's window and step at once)\n"
+      "  --sliding-pages window|all  window (the default): a sliding layer's pages leave a sequence\n"
+      "                          as they fall out of its window; all: they stay until the request\n"
+      "                          ends, as in a cache without windowed tables (the same tokens: to\n"
+      "                          measure what the window saves)\n"
       "  --max-seqs N            requests running at once at most (256; 1: one at a time)\n"
       "  --preempt swap|recompute  what preemption does with the newest request (swap: to a\n"
       "                          host cache, recomputing when that is full)\n"
@@ -188,6 +193,8 @@ Options parse_flags(int argc, char** argv) {
       o.n_pages = positive(flag, v);
     } else if (flag == "--n-pages-sliding") {
       o.n_pages_sliding = positive(flag, v);
+    } else if (flag == "--sliding-pages") {
+      o.free_out_of_window = one_of({"window", "all"}, "window or all") == "window";
     } else if (flag == "--max-batch-tokens") {
       o.max_batch_tokens = positive(flag, v);
     } else if (flag == "--prefix-cache") {
@@ -259,6 +266,7 @@ int serve(const Options& o) {
   // The pools: by default every request's final length at once (no
   // preemption); the sliding layers', every request's window and step.
   const int64_t window = config.sliding_window;
+  const int64_t table_window = o.free_out_of_window ? window : 0;  // the sliding table's
   const int64_t n_sliding_layers = config.n_sliding_layers();
   const int64_t n_full_layers = config.num_hidden_layers - n_sliding_layers;
   int64_t n_pages = o.n_pages;
@@ -268,13 +276,15 @@ int serve(const Options& o) {
   }
   int64_t n_pages_sliding = o.n_pages_sliding > 0 ? o.n_pages_sliding : n_full_layers == 0 ? o.n_pages : 0;
   if (n_pages_sliding == 0) {
-    for (const auto& r : requests) n_pages_sliding += llama::pages_needed(r, o.page_size, window, o.max_batch_tokens);
+    for (const auto& r : requests) {
+      n_pages_sliding += llama::pages_needed(r, o.page_size, table_window, o.max_batch_tokens);
+    }
     n_pages_sliding = std::max<int64_t>(n_pages_sliding, 1);
   }
   if (n_full_layers > 0) llama::check_fits(o.requests, requests, n_pages, o.page_size);
   if (n_sliding_layers > 0) {
     llama::check_fits(o.requests, requests, n_pages_sliding, o.page_size,
-                      n_full_layers == 0 && o.n_pages_sliding == 0 ? "--n-pages" : "--n-pages-sliding", window,
+                      n_full_layers == 0 && o.n_pages_sliding == 0 ? "--n-pages" : "--n-pages-sliding", table_window,
                       o.max_batch_tokens);
   }
   if (n_sliding_layers > 0 && o.prefix_cache_given) {
@@ -334,6 +344,7 @@ int serve(const Options& o) {
   so.max_batch_tokens = o.max_batch_tokens;
   so.max_seqs = o.max_seqs;
   so.prefix_cache = prefix_cache;
+  so.free_out_of_window = o.free_out_of_window;
   // The tiers, fastest first: host memory, the disk, the shared server.
   if ((o.prefix_host_mb > 0 || !o.prefix_disk.empty() || !o.prefix_redis.empty()) && !prefix_cache) {
     llama::fail("command line: --prefix-host-mb, --prefix-disk and --prefix-redis need --prefix-cache on",
@@ -473,6 +484,18 @@ int serve(const Options& o) {
     j["spec_proposed_tokens"] = s.spec_proposed_tokens;
     j["spec_accepted_tokens"] = s.spec_accepted_tokens;
     j["n_pages"] = pool_pages;
+    // Bytes of one page of a pool, every layer, k and v (codes and scales).
+    const auto page_bytes = [](const auto& cache) -> int64_t {
+      if (!cache) return 0;
+      int64_t bytes = cache->k_cache().nbytes() + cache->v_cache().nbytes();
+      if (cache->k_scales().defined()) bytes += cache->k_scales().nbytes();
+      if (cache->v_scales().defined()) bytes += cache->v_scales().nbytes();
+      return bytes / cache->n_pages();
+    };
+    j["peak_kv_bytes"] = n_sliding_layers > 0 ? s.peak_pages_full * page_bytes(caches.full) +
+                                                    s.peak_pages_sliding * page_bytes(caches.sliding)
+                                              : s.peak_pages * page_bytes(caches.full);
+    j["sliding_pages"] = o.free_out_of_window ? "window" : "all";
     if (n_sliding_layers > 0) {
       j["peak_pages_full"] = s.peak_pages_full;
       j["peak_pages_sliding"] = s.peak_pages_sliding;

@@ -13,7 +13,7 @@ OUT_DIR receives:
   reference.json    how it was made (versions, preset) and the smallest gap
                     between the top two logits of any step
 
-Presets (tiny unless "bench"):
+Presets (tiny unless named bench):
   gqa       8 query heads on 2 kv heads, llama3 RoPE scaling, rope_theta 500000,
             tied embeddings, float32 weights, eos_token_id a list of two ids
   mha       4 heads, 4 kv heads, default RoPE, untied lm_head, bfloat16 weights,
@@ -22,6 +22,9 @@ Presets (tiny unless "bench"):
             float16 weights in shards
   bench     the ~100M shape of the benchmark (hidden 1024, 8 layers, 16 heads,
             4 kv heads): weights only, no requests
+  gemma3-bench  a ~90M Gemma-3 shape for bench/llama_windows.py (gemma3_text,
+            hidden 1024, 6 layers: 5 sliding (window 512) : 1 full, 8 heads
+            on 4 kv heads of 128): weights only, no requests
 One preset per other family, each with a window far shorter than the longer
 prompts (1 to 100 tokens), so that sliding layers drop pages as they go:
   mistral   sliding window 14 (two pages of 7) on both layers, GQA 4:2
@@ -91,7 +94,14 @@ PRESETS = {
                    extra=dict(sliding_window=10, query_pre_attn_scalar=16)),
     "bench": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
                   num_attention_heads=16, num_key_value_heads=4, rope_theta=10000.0, tie_word_embeddings=True,
-                  weights_dtype="float32", eos=None, rms_norm_eps=1e-5, max_position_embeddings=4096),
+                  weights_dtype="float32", eos=None, rms_norm_eps=1e-5, max_position_embeddings=4096, bench=True),
+    "gemma3-bench": dict(family="gemma3_text", vocab_size=32000, hidden_size=1024, intermediate_size=2048,
+                         num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                         tie_word_embeddings=True, weights_dtype="float32", eos=None, rms_norm_eps=1e-6,
+                         max_position_embeddings=8192, bench=True,
+                         rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=1000000.0),
+                                              sliding_attention=dict(rope_type="default", rope_theta=10000.0)),
+                         extra=dict(sliding_window=512, query_pre_attn_scalar=128)),
 }
 
 
@@ -371,7 +381,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-reference", action="store_true", help="save the model only")
     a = ap.parse_args()
-    info = make(a.out_dir, a.preset, a.seed, reference=not a.no_reference and a.preset != "bench")
+    info = make(a.out_dir, a.preset, a.seed, reference=not a.no_reference and not PRESETS[a.preset].get("bench"))
     print(json.dumps(info, indent=1))
 
 

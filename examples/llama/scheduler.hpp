@@ -70,6 +70,10 @@ struct SchedulerOptions {
   bool swap = true;          ///< preempt by swapping to the host cache (else by recomputing)
   bool keep_logits = false;  ///< keep the logits each generated token was chosen from
   int64_t speculate = 0;     ///< drafted tokens per decoding request and step at most (0: none)
+  /// Sliding layers' pages leave a sequence as they fall out of its window
+  /// (a windowed table); false keeps them to the end, as a cache without
+  /// windowed tables would: the same tokens, to measure what windows save.
+  bool free_out_of_window = true;
 };
 
 /// A finished request: the generated tokens (and, with keep_logits, the
@@ -116,7 +120,8 @@ class Scheduler {
       : model_(model), caches_(caches), options_(options), on_finished_(std::move(on_finished)) {
     if (caches.full) full_ = std::make_unique<pagedkv::SequenceTable<Layout>>(*caches.full);
     if (caches.sliding) {
-      sliding_ = std::make_unique<pagedkv::SequenceTable<Layout>>(*caches.sliding, model.config().sliding_window);
+      sliding_ = std::make_unique<pagedkv::SequenceTable<Layout>>(
+          *caches.sliding, options_.free_out_of_window ? model.config().sliding_window : 0);
     }
     if (!full_ && !sliding_) throw std::invalid_argument("llama scheduler: no cache");
     if (full_ && sliding_ && caches.full->page_size() != caches.sliding->page_size()) {
@@ -295,7 +300,7 @@ class Scheduler {
     }
     if (sliding_) {
       const int64_t w = sliding_->window();
-      const int64_t dropped = length >= w ? (length - w + 1) / page_size() : 0;
+      const int64_t dropped = w > 0 && length >= w ? (length - w + 1) / page_size() : 0;
       if (pages_for(length + n) - dropped > sliding_->cache().n_free()) return false;
     }
     return true;

@@ -316,6 +316,41 @@ def check_sliding(a, model, good, run, bad, failures):
     bad("prefix tier over sliding layers", m + ["--prefix-host-mb", "1"], ["need --prefix-cache on", "sliding-window"])
     bad("a sliding pool too small", m + ["--n-pages-sliding", "1", "--page-size", "2"],
         ["'prompt'", "sliding window of 3 tokens", "--n-pages-sliding"])
+    # --sliding-pages all: the sliding pages stay to the end (a: 14 tokens written, b: 5), the same tokens;
+    # peak_kv_bytes = peak pages x bytes per page (2 layers, k and v, 2 tokens of 2 heads x 4 float32s).
+    long = os.path.join(a.work, "long.jsonl")
+    with open(long, "w") as f:
+        f.write('{"id": "a", "prompt": [1, 2, 3, 4, 5, 6, 7, 8, 9], "max_new_tokens": 6}\n{"id": "b", "prompt": [7]}\n')
+    runs = {}
+    for mode in ("window", "all"):
+        path = os.path.join(a.work, f"mistral-{mode}.json")
+        rc, out, err = run(["--model", mistral, "--requests", long, "--max-new-tokens", "5", "--threads", "1",
+                            "--page-size", "2", "--stats", path, "--sliding-pages", mode])
+        runs[mode] = (rc, out, json.load(open(path)) if rc == 0 else {})
+    (rc_w, out_w, st_w), (rc_a, out_a, st_a) = runs["window"], runs["all"]
+    page_bytes = 2 * 2 * 2 * 2 * 4 * 4
+    ok = rc_w == 0 and rc_a == 0 and sorted(out_w.splitlines()) == sorted(out_a.splitlines()) and \
+        st_w.get("sliding_pages") == "window" and st_a.get("sliding_pages") == "all" and \
+        st_a.get("peak_pages_sliding") == 7 + 3 and st_w.get("peak_pages_sliding", 99) < 7 + 3 and \
+        st_w.get("peak_kv_bytes") == st_w.get("peak_pages_sliding", 0) * page_bytes and \
+        st_a.get("peak_kv_bytes") == st_a.get("peak_pages_sliding", 0) * page_bytes
+    print(f"{'ok  ' if ok else 'FAIL'} --sliding-pages window / all: peak sliding pages "
+          f"{st_w.get('peak_pages_sliding')} / {st_a.get('peak_pages_sliding')}, the same tokens")
+    if not ok:
+        failures.append(f"--sliding-pages: window {runs['window']}, all {runs['all']}")
+    for preempt in ("swap", "recompute"):  # a pool of 8 for 7 + 3 pages: one request waits, swapped or recomputed
+        path = os.path.join(a.work, f"mistral-all-{preempt}.json")
+        rc, out, err = run(["--model", mistral, "--requests", long, "--max-new-tokens", "5", "--threads", "1",
+                            "--page-size", "2", "--stats", path, "--sliding-pages", "all", "--n-pages-sliding", "8",
+                            "--preempt", preempt])
+        st = json.load(open(path)) if rc == 0 else {}
+        ok = rc == 0 and sorted(out.splitlines()) == sorted(out_w.splitlines()) and st.get("peak_pages_sliding") <= 8 \
+            and st.get("preempted_swap", 0) + st.get("preempted_recompute", 0) > 0
+        print(f"{'ok  ' if ok else 'FAIL'} --sliding-pages all, pool of 8, --preempt {preempt}: exit {rc}, "
+              f"preempted {st.get('preempted_swap')} / {st.get('preempted_recompute')}, the same tokens")
+        if not ok:
+            failures.append(f"--sliding-pages all --preempt {preempt}: exit {rc}, stdout {out!r}, stderr {err}, {st}")
+    bad("bad --sliding-pages", m + ["--sliding-pages", "some"], ["--sliding-pages expected window or all", "'some'"])
 
 
 if __name__ == "__main__":
