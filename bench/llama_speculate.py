@@ -33,11 +33,10 @@ import argparse
 import json
 import os
 import random
-import subprocess
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "llama"))
-import make_tiny_model  # noqa: E402
+from llama_runs import serve as run_engine, write_requests
+
+import make_tiny_model  # noqa: E402 (llama_runs put it on the path)
 
 
 def prompts(n, length, vocab, seed):
@@ -65,19 +64,8 @@ def make_models(preset, work):
 
 def serve(llama, model_dir, work, name, prompts, new_tokens, threads, extra):
     req = os.path.join(work, name + ".jsonl")
-    with open(req, "w") as f:
-        for i, p in enumerate(prompts):
-            f.write(json.dumps({"id": f"r{i}", "prompt": p, "max_new_tokens": new_tokens}) + "\n")
-    stats, out = os.path.join(work, name + ".stats.json"), os.path.join(work, name + ".out.jsonl")
-    cmd = [llama, "--model", model_dir, "--requests", req, "--out", out, "--stats", stats, "--threads", str(threads),
-           "--quiet"] + extra
-    p = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr}")
-    with open(stats) as f:
-        s = json.load(f)
-    with open(out) as f:
-        tokens = {r["id"]: r["tokens"] for r in map(json.loads, f)}
+    write_requests(req, prompts, new_tokens)
+    s, tokens = run_engine(llama, model_dir, req, work, name, threads, extra)
     print(f"{name}: {s['serve_seconds']:.2f} s", flush=True)
     return s, tokens
 
