@@ -9,15 +9,39 @@ run the same calls:
   gemma3  a Gemma-3-shaped model (gemma3_text: hidden 640, 12 layers, 4
           query / 1 kv head of 256, sliding window 512 on five layers of
           six).
-Reported per model and side: prefill tokens/s (the prompt's forward),
-decode tokens/s (batch x new tokens over the decode forwards), and the KV
-bytes: DynamicCache's largest K/V held after a forward (its torch.cat
-copies during a forward come on top), pagedkv's largest pages in use after
-a forward and the bytes its pools reserve. Same process, same torch, same
-threads (torch.set_num_threads); the tokens of both sides are compared.
+Reported per model and side (DynamicCache + sdpa; PagedKVCache + "pagedkv"
+with native, fp8 and int8 pages, --formats): prefill tokens/s (the prompt's
+forward), decode tokens/s (batch x (new - 1) tokens over the decode
+forwards), and the K/V bytes each cache keeps alive:
+  held after the prompt's forward, and after the decode forwards (their
+      largest): DynamicCache's K/V storages, counted whole (after a forward
+      longer than the window, a sliding layer's window is a view into that
+      forward's torch.cat result: the whole forward's K/V stay alive until
+      the layer's next update); PagedKVCache's pools' storage (allocated
+      whole at the first forward, never resized);
+  peak inside a forward: for DynamicCache the largest sum of its storages
+      at any point of an update (after each torch.cat, the tensor it
+      replaces still alive), over the whole run; for PagedKVCache its
+      storage (its writes and kernel copy at most the call's own tokens,
+      never the cached K/V);
+  the ratios of PagedKVCache's peak and held-in-decode bytes to
+      DynamicCache's.
+A second table splits them by layer type (full / sliding): DynamicCache's
+element bytes / storage bytes, PagedKVCache's pages in use / storage.
+Not counted on either side: the new tokens' K/V as the model computes them
+(activations), and sdpa's temporaries (repeat_kv's copies of K/V for
+grouped heads when it runs with a mask). Same process, same torch, same
+threads (torch.set_num_threads); the tokens of each PagedKVCache run are
+compared with DynamicCache's (fp8 / int8 pages round K/V, so their tokens
+may differ). The full-attention pool is sized to the request: batch *
+ceil((prompt + new - 1) / 16) pages of 16 tokens.
+Memory does not depend on the CPU or on time: a short run (--new 4) gives
+the memory columns of a long one, except the decode-held column's extra
+new tokens.
 
   python3 bench/transformers_bench.py [--models llama,gemma3] [--batch 8] [--prompt 2048] [--new 128]
-                                      [--threads N] [--dtype float32|bfloat16] [--quick]
+                                      [--threads N] [--dtype float32|bfloat16] [--formats native,fp8,int8]
+                                      [--quick]
 
 Needs transformers 5 beside torch 2.x (e.g. PYTHONPATH=/opt/pagedkv-transformers:/opt/pagedkv-torch2)
 and the pagedkv package built against that torch. Run on a quiet machine.
@@ -26,6 +50,7 @@ import argparse
 import copy
 import platform
 import time
+import weakref
 
 import torch
 
@@ -54,43 +79,130 @@ def cpu_name():
     return platform.processor() or "unknown CPU"
 
 
-def dynamic_bytes(cache):
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if t is not None)
+def _storages(tensors):
+    """{storage address: bytes} of the tensors' storages (a view counts its whole storage, once)."""
+    found = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            storage = t.untyped_storage()
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
 
 
-def paged_bytes(cache):
-    """(bytes of the pages in use, bytes the pools reserve)."""
-    used = reserved = 0
+def dynamic_held(cache):
+    """{"full"|"sliding": (bytes of the K/V tensors' elements, bytes of their storages)} of a DynamicCache.
+
+    The two differ after a forward of more than a window: a sliding layer keeps
+    a view of its window into that forward's torch.cat result, whose storage
+    (the whole forward's K/V) stays alive until the layer's next update."""
+    out = {}
+    for layer in cache.layers:
+        kind = "sliding" if getattr(layer, "is_sliding", False) else "full"
+        tensors = [t for t in (layer.keys, layer.values) if t is not None]
+        elements = sum(t.numel() * t.element_size() for t in tensors)
+        stored = sum(_storages(tensors).values())
+        e, s = out.get(kind, (0, 0))
+        out[kind] = (e + elements, s + stored)
+    return out
+
+
+class DynamicPeak:
+    """The largest bytes of K/V storage a DynamicCache has alive at once, inside its updates included.
+
+    Wraps each layer's update and torch.cat while it runs: after every
+    torch.cat (a layer's new K or V, the old one still referenced) and when
+    the update returns, it sums the distinct storages of every layer's
+    keys/values, the torch.cat results still alive and the returned K/V. The
+    model's new-token K/V that go in (activations, the same for pagedkv)
+    and sdpa's own temporaries (repeat_kv's copies for grouped heads) are
+    not counted. `spent` is the seconds its own counting took, which the
+    timings leave out."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.peak = 0
+        self.spent = 0.0
+        for layer in cache.layers:
+            layer.update = self._wrap(layer.update)
+
+    def _note(self, extra):
+        start = time.perf_counter()
+        tensors = [t for layer in self.cache.layers for t in (layer.keys, layer.values) if t is not None]
+        self.peak = max(self.peak, sum(_storages(tensors + extra).values()))
+        self.spent += time.perf_counter() - start
+
+    def _wrap(self, update):
+        def wrapped(key_states, value_states, *args, **kwargs):
+            fresh = []
+            real_cat = torch.cat
+
+            def cat(*a, **k):
+                result = real_cat(*a, **k)
+                fresh.append(weakref.ref(result))
+                self._note([r() for r in fresh if r() is not None])
+                return result
+            torch.cat = cat
+            try:
+                out = update(key_states, value_states, *args, **kwargs)
+            finally:
+                torch.cat = real_cat
+            self._note([r() for r in fresh if r() is not None] + list(out))
+            return out
+        return wrapped
+
+
+def paged_held(cache):
+    """{"full"|"sliding": (bytes of the pages in use, bytes the pools' storage holds)} of a PagedKVCache (scales
+    included); its storage is allocated whole at the first forward and never changes."""
+    out = {}
     for pool in cache.pools:
         if pool.cache is None:
             continue
-        storage = [pool.cache.k_cache, pool.cache.v_cache] + [s for s in (pool.cache.k_scales, pool.cache.v_scales)
-                                                              if s is not None]
-        total = sum(t.numel() * t.element_size() for t in storage)
-        reserved += total
-        used += total * (pool.cache.n_pages - pool.cache.n_free()) // pool.cache.n_pages
-    return used, reserved
+        kind = "sliding" if pool.window else "full"
+        c = pool.cache
+        total = sum(t.numel() * t.element_size() for t in (c.k_cache, c.v_cache, c.k_scales, c.v_scales)
+                    if t is not None)
+        used = total * (c.n_pages - c.n_free()) // c.n_pages
+        u, r = out.get(kind, (0, 0))
+        out[kind] = (u + used, r + total)
+    return out
 
 
-def decode(model, cache, ids, new, measure):
-    """Greedy: the prompt's forward, then `new` - 1 one-token forwards. Returns (tokens, prefill s, decode s, peak)."""
-    peak = 0
+def total(held, index):
+    return sum(v[index] for v in held.values())
+
+
+def decode(model, cache, ids, new, measure, probe_seconds=lambda: 0.0):
+    """Greedy: the prompt's forward, then `new` - 1 one-token forwards.
+
+    Returns (tokens, prefill s, decode s, held after the prompt's forward, held after the decode forwards: each
+    entry's largest); `measure(cache)` gives the held dict, taken outside the timed calls; `probe_seconds()` the
+    seconds a probe inside the forwards has spent so far, left out of the timings."""
     with torch.inference_mode():
-        start = time.perf_counter()
+        start, probed = time.perf_counter(), probe_seconds()
         logits = model(ids, cache=cache, logits_to_keep=1).logits
-        prefill = time.perf_counter() - start
-        peak = max(peak, measure(cache))
+        prefill = time.perf_counter() - start - (probe_seconds() - probed)
+        after_prefill = measure(cache)
         token = logits[:, -1].argmax(-1, keepdim=True)
         tokens = [token]
-        start = time.perf_counter()
+        steps = 0.0
+        in_decode = {}
         for _ in range(new - 1):
+            start, probed = time.perf_counter(), probe_seconds()
             logits = model(token, cache=cache, logits_to_keep=1).logits
-            peak = max(peak, measure(cache))
             token = logits[:, -1].argmax(-1, keepdim=True)
+            steps += time.perf_counter() - start - (probe_seconds() - probed)
+            for kind, values in measure(cache).items():
+                in_decode[kind] = tuple(max(pair) for pair in zip(values, in_decode.get(kind, values)))
             tokens.append(token)
-        steps = time.perf_counter() - start
-    return torch.cat(tokens, 1), prefill, steps, peak
+    return torch.cat(tokens, 1), prefill, steps, after_prefill, in_decode
+
+
+MIB = 1 << 20
+
+
+def mib(n):
+    return "%.1f MiB" % (n / MIB)
 
 
 def run(name, args):
@@ -106,21 +218,47 @@ def run(name, args):
     params = sum(p.numel() for p in reference.parameters())
     ids = torch.randint(0, config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(1))
     page_size = 16
-    n_pages = args.batch * (-(-(args.prompt + args.new) // page_size) + 1)
-    want, prefill_a, decode_a, peak_a = decode(reference, DynamicCache(config=reference.config), ids, args.new,
-                                               dynamic_bytes)
-    cache = pkt.PagedKVCache(paged.config, n_pages=n_pages, page_size=page_size)
-    pkt.reset_stats()
-    got, prefill_b, decode_b, peak_b = decode(paged, cache, ids, args.new, lambda c: paged_bytes(c)[0])
-    reserved = paged_bytes(cache)[1]
-    same = int((want == got).all(dim=1).sum())
-    fmt = "| %s (%.0fM) | %s | %.0f | %.1f | %.1f MiB | %s |"
-    mib = 1 << 20
-    print(fmt % (name, params / 1e6, "DynamicCache + sdpa", args.batch * args.prompt / prefill_a,
-                 args.batch * (args.new - 1) / decode_a, peak_a / mib, ""))
-    print(fmt % (name, params / 1e6, "PagedKVCache + pagedkv", args.batch * args.prompt / prefill_b,
-                 args.batch * (args.new - 1) / decode_b, peak_b / mib,
-                 "%.1f MiB reserved; %d/%d rows same tokens; %s" % (reserved / mib, same, args.batch, pkt.stats())))
+    # The full-attention pool sized to the request: every row's prompt and new tokens, no copy-on-write page
+    # (greedy decoding forks no row).
+    n_pages = args.batch * -(-(args.prompt + args.new - 1) // page_size)
+    label = "%s (%.0fM)" % (name, params / 1e6)
+    dynamic = DynamicCache(config=reference.config)
+    probe = DynamicPeak(dynamic)
+    want, prefill_a, decode_a, held_a, decode_held_a = decode(reference, dynamic, ids, args.new, dynamic_held,
+                                                              lambda: probe.spent)
+    peak_a = probe.peak
+    rows = [(label, "DynamicCache + sdpa", prefill_a, decode_a, total(held_a, 1), total(decode_held_a, 1), peak_a,
+             "the peak's probe took %.2f s, left out of the timings" % probe.spent)]
+    breakdown = [(label, "DynamicCache", held_a, decode_held_a)]
+    for kv_format in args.formats.split(","):
+        cache = pkt.PagedKVCache(paged.config, n_pages=n_pages, page_size=page_size, kv_format=kv_format)
+        pkt.reset_stats()
+        got, prefill_b, decode_b, held_b, decode_held_b = decode(paged, cache, ids, args.new, paged_held)
+        reserved = total(paged_held(cache), 1)  # the pools' storage: all of it, from the first forward on
+        same = int((want == got).all(dim=1).sum())
+        rows.append((label, "PagedKVCache + pagedkv, %s pages" % kv_format, prefill_b, decode_b, reserved, reserved,
+                     reserved, "%d/%d rows same tokens; %s" % (same, args.batch, pkt.stats())))
+        breakdown.append((label, "PagedKVCache, %s" % kv_format, held_b, decode_held_b))
+        del cache
+    for label_, side, prefill, steps, held_p, held_d, peak, note in rows:
+        print("| %s | %s | %.0f | %.1f | %s | %s | %s | %.2fx | %.2fx | %s |" % (
+            label_, side, args.batch * args.prompt / prefill, args.batch * (args.new - 1) / steps, mib(held_p),
+            mib(held_d), mib(peak), peak / peak_a, held_d / total(decode_held_a, 1), note))
+    return breakdown
+
+
+def print_breakdown(breakdown):
+    print("\nPer layer type. DynamicCache: bytes of its K/V tensors' elements / of their storages (a sliding "
+          "layer's window is a view into its last update's torch.cat result). PagedKVCache: bytes of the pages "
+          "in use / of the pools' storage (allocated whole at the first forward).\n")
+    print("| model | cache | layers | after the prompt's forward | after the decode forwards (max) |")
+    print("|---|---|---|---:|---:|")
+    for label, side, after_prefill, in_decode in breakdown:
+        for kind in ("full", "sliding"):
+            if kind in after_prefill:
+                print("| %s | %s | %s | %s | %s |" % (label, side, kind, *("%s / %s" % (mib(held[kind][0]),
+                                                                               mib(held[kind][1]))
+                                                                           for held in (after_prefill, in_decode))))
 
 
 def main():
@@ -131,6 +269,8 @@ def main():
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--formats", default="native,fp8,int8",
+                        help="PagedKVCache kv_format rows, comma-separated (native, fp8, int8)")
     parser.add_argument("--quick", action="store_true", help="small models (hidden 192, 6 layers): a smoke run")
     args = parser.parse_args()
     if args.threads:
@@ -139,11 +279,14 @@ def main():
     print("%s, %d threads, torch %s, %s, batch %d, prompt %d, %d new tokens%s\n" % (
         cpu_name(), torch.get_num_threads(), torch.__version__, args.dtype, args.batch, args.prompt, args.new,
         " (--quick sizes)" if args.quick else ""))
-    print("| model | cache + attention | prefill tok/s | decode tok/s | KV held (max) | |")
-    print("|---|---|---:|---:|---:|---|")
+    print("| model | cache + attention | prefill tok/s | decode tok/s | KV held after the prompt's forward | "
+          "KV held after a decode forward (max) | KV peak (inside a forward) | peak / DynamicCache's | "
+          "held in decode / DynamicCache's | |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    breakdown = []
     for name in args.models.split(","):
-        run(name, args)
-
+        breakdown += run(name, args)
+    print_breakdown(breakdown)
 
 if __name__ == "__main__":
     main()

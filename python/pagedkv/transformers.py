@@ -239,11 +239,11 @@ class _PagedLayer(CacheLayerMixin):
         pass
 
 
-# A sliding layer attends a forward in chunks of this many queries, so its
-# pool holds window - 1 + SLIDING_CHUNK tokens per row at most; a forward of
-# at most this many tokens (decode, draft verification) is one chunk, which
-# crop can take back whole.
-SLIDING_CHUNK = 256
+# A sliding layer attends a forward in chunks of this many queries (the
+# default of PagedKVCache's sliding_chunk), so its pool holds window - 1 +
+# chunk tokens per row at most; a forward of at most this many tokens
+# (decode, draft verification) is one chunk, which crop can take back whole.
+SLIDING_CHUNK = 64
 
 
 class PagedKVCache(Cache):
@@ -254,20 +254,25 @@ class PagedKVCache(Cache):
     sliding layer gets a pool of its own sized to its window (see
     docs/transformers.md). ``layout`` "NHD" or "HND"; ``kv_format``
     "native", "fp8" or "int8"; ``device`` / ``dtype`` None: the model's
-    (taken at the first forward). The model must run with
+    (taken at the first forward); ``sliding_chunk`` None: ``SLIDING_CHUNK``
+    (the queries a sliding layer attends at a time: its pool holds
+    ``window - 1 + sliding_chunk`` tokens per row, and crop takes back at
+    most the last chunk). The model must run with
     ``attn_implementation="pagedkv"`` (after ``enable()``). One cache serves
     one model and one batch (its rows are the batch's sequences) until
     ``reset()``.
     """
 
     def __init__(self, config, n_pages=4096, page_size=16, layout="NHD", kv_format="native", device=None,
-                 dtype=None):
+                 dtype=None, sliding_chunk=None):
         text = _text_config(config)
         family = getattr(text, "model_type", None)
         if family not in FAMILIES:
             raise ValueError("pagedkv.transformers.PagedKVCache: argument 'config' expected a config of a supported "
                              "family (%s), got model_type %r" % (", ".join(FAMILIES), family))
-        for name, value in (("n_pages", n_pages), ("page_size", page_size)):
+        if sliding_chunk is None:
+            sliding_chunk = SLIDING_CHUNK
+        for name, value in (("n_pages", n_pages), ("page_size", page_size), ("sliding_chunk", sliding_chunk)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError("pagedkv.transformers.PagedKVCache: argument '%s' expected an int >= 1, got %r"
                                  % (name, value))
@@ -289,6 +294,7 @@ class PagedKVCache(Cache):
         self.family = family
         self.n_pages = n_pages
         self.page_size = page_size
+        self.sliding_chunk = sliding_chunk
         self.layout = layout
         self.kv_format = kv_format
         self.device = None if device is None else torch.device(device)
@@ -321,9 +327,9 @@ class PagedKVCache(Cache):
     def __repr__(self):
         full = sum(len(p.layers) for p in self.pools if not p.window)
         windows = sorted({p.window for p in self.pools if p.window})
-        return ("pagedkv.transformers.PagedKVCache(%s, n_pages=%d, page_size=%d, layout=%r, kv_format=%r; %d full "
-                "layers%s; %d rows of %d tokens)" % (
-                    self.family, self.n_pages, self.page_size, self.layout, self.kv_format, full,
+        return ("pagedkv.transformers.PagedKVCache(%s, n_pages=%d, page_size=%d, layout=%r, kv_format=%r, "
+                "sliding_chunk=%d; %d full layers%s; %d rows of %d tokens)" % (
+                    self.family, self.n_pages, self.page_size, self.layout, self.kv_format, self.sliding_chunk, full,
                     "".join(", %d of window %d" % (sum(1 for p in self.pools if p.window == w), w) for w in windows),
                     len(self.pools[0].rows), self._length))
 
@@ -337,14 +343,20 @@ class PagedKVCache(Cache):
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise RuntimeError("pagedkv.transformers.PagedKVCache: the model computes in %s; pagedkv's pages hold "
                                "float32, float16 or bfloat16 (pass dtype=)" % (dtype,))
+        has_full = any(not pool.window for pool in self.pools)
         for pool in self.pools:
             if pool.cache is not None:
                 continue
             if pool.window:
                 # What a chunk's queries see, [start - window + 1, start + chunk), plus one page per row that
-                # copy-on-write takes when beams share the last page: never short.
-                span = pool.window - 1 + SLIDING_CHUNK
+                # copy-on-write takes when beams share the last page: never short. A sliding table's rows hold
+                # a subset of the columns the full-attention table's rows hold (the same forks, copies and
+                # positions), so it never needs more pages than that pool has: n_pages sized to a short
+                # request sizes the sliding pools too.
+                span = pool.window - 1 + self.sliding_chunk
                 n_pages = batch * (-(-span // self.page_size) + 2)
+                if has_full:
+                    n_pages = min(n_pages, self.n_pages)
             else:
                 n_pages = self.n_pages
             pool.cache = pagedkv.PagedCache(len(pool.layers), n_pages, self.page_size, self.n_kv_heads,
@@ -727,7 +739,7 @@ def _paged(cache, module, query, key, value, attention_mask, layer_idx, serial, 
         mask = attention_mask[..., first - mask_first:] if attention_mask is not None else None
         return _eager(module, query, key, value, mask, base, first, window, dropout, scaling, softcap, s_aux, kwargs)
     pool = layer.pool
-    chunk = SLIDING_CHUNK
+    chunk = cache.sliding_chunk
     outputs, weights = [], None
     for start in range(0, n_queries, chunk):
         stop = min(start + chunk, n_queries)

@@ -144,6 +144,31 @@ def test_sliding_layers_attend_a_long_prompt_in_chunks(family, padded, monkeypat
             assert pool.cache.n_pages == 2 * (-(-(2 * WINDOW - 1) // 2) + 2)
 
 
+def test_sliding_chunk_argument_sizes_the_sliding_pools():
+    """sliding_chunk=3: 20-token prompts take 7 chunks; each sliding pool holds a window and a chunk per row."""
+    cache, counts = compare("gemma3_text", prompt(batch=2, seed=11), cache_args=dict(page_size=2, sliding_chunk=3))
+    assert counts["fallback_calls"] == 0 and "sliding_chunk=3" in repr(cache)
+    for pool in cache.pools:
+        if pool.window:
+            assert pool.cache.n_pages == 2 * (-(-(WINDOW - 1 + 3) // 2) + 2)
+
+
+def test_sliding_pools_need_no_more_pages_than_the_full_pool():
+    """n_pages sized to the request (beams: each row's tokens and a copy-on-write page) bounds the sliding pools,
+    whose window-and-chunk size would be larger."""
+    rows, page_size, tokens = 2, 2, PROMPT + 5
+    n_pages = rows * (-(-tokens // page_size) + 1)
+    cache, counts = compare("gemma3_text", prompt(batch=1, seed=5), num_beams=rows,
+                            cache_args=dict(n_pages=n_pages, page_size=page_size))
+    assert counts["fallback_calls"] == 0
+    sliding = [pool for pool in cache.pools if pool.window]
+    assert sliding and all(pool.cache.n_pages == n_pages for pool in sliding)
+    assert n_pages < rows * (-(-(WINDOW - 1 + pkt.SLIDING_CHUNK) // page_size) + 2)
+    for pool in cache.pools:
+        pool.seqs.check()
+        pool.cache.check()
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_left_padded_batch_falls_back_and_matches(family):
     ids = prompt(batch=2, seed=4)
@@ -272,6 +297,8 @@ def test_unsupported_family_is_refused():
         pkt.PagedKVCache(paged_config("llama"), layout="XYZ")
     with pytest.raises(ValueError, match="'n_pages'"):
         pkt.PagedKVCache(paged_config("llama"), n_pages=0)
+    with pytest.raises(ValueError, match="'sliding_chunk'"):
+        pkt.PagedKVCache(paged_config("gemma3_text"), sliding_chunk=0)
 
 
 def test_cache_too_small_changes_nothing():
