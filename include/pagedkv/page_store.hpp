@@ -151,8 +151,11 @@ struct Header {
 };
 static_assert(sizeof(Header) == 104, "the entry header is 104 bytes with no padding");
 
-constexpr char kMagic[8] = {'P', 'K', 'V', 'P', 'A', 'G', 'E', '1'};
-constexpr uint64_t kFormatVersion = 1;  // part of every key: a new format never reads an old entry
+constexpr char kMagic[8] = {'P', 'K', 'V', 'P', 'A', 'G', 'E', '2'};
+// Part of every key, so a new format never even names an old entry; the
+// magic also differs, so an old entry read by any means is a corrupt miss.
+// 2: the checksum folds two words per multiply.
+constexpr uint64_t kFormatVersion = 2;
 
 /// A stable code per dtype (c10's enum numbering is not a file format).
 inline int32_t dtype_code(at::ScalarType t) {
@@ -199,30 +202,39 @@ struct Geometry {
   }
 };
 
-/// 64-bit checksum: four independent multiply-xor lanes over 8-byte words
-/// (each step is a bijection of its lane, so any change to one word always
-/// changes the sum), then murmur3's finaliser over the lanes and the length.
+/// 64-bit checksum: eight independent lanes, each step folding two 8-byte
+/// words a and b into its lane as (lane ^ a) * odd + b, a bijection of the
+/// lane and of each word alone, so any change to one word always changes
+/// the sum; then murmur3's finaliser over the lanes and the length. Two
+/// words per multiply: one per multiply (format 1) was bound by the
+/// multiplier's throughput, a fifth of a disk restore (bench/NOTES.md,
+/// "Restores without a parallel region per page").
 inline uint64_t checksum(const uint8_t* data, size_t n) noexcept {
-  constexpr uint64_t kMul[4] = {0x9e3779b97f4a7c15ULL, 0xc2b2ae3d27d4eb4fULL, 0x165667b19e3779f9ULL,
-                                0xd6e8feb86659fd93ULL};
-  uint64_t lane[4] = {0x243f6a8885a308d3ULL, 0x13198a2e03707344ULL, 0xa4093822299f31d0ULL, 0x082efa98ec4e6c89ULL};
+  constexpr int kLanes = 8;
+  constexpr uint64_t kMul[kLanes] = {0x9e3779b97f4a7c15ULL, 0xc2b2ae3d27d4eb4fULL, 0x165667b19e3779f9ULL,
+                                     0xd6e8feb86659fd93ULL, 0xa0761d6478bd642fULL, 0xe7037ed1a0b428dbULL,
+                                     0x8ebc6af09c88c6e3ULL, 0x589965cc75374cc3ULL};
+  uint64_t lane[kLanes] = {0x243f6a8885a308d3ULL, 0x13198a2e03707344ULL, 0xa4093822299f31d0ULL,
+                           0x082efa98ec4e6c89ULL, 0x452821e638d01377ULL, 0xbe5466cf34e90c6cULL,
+                           0xc0ac29b7c97c50ddULL, 0x3f84d5b5b5470917ULL};
   size_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    for (int l = 0; l < 4; ++l) {
-      uint64_t w;
-      std::memcpy(&w, data + i + 8 * l, 8);
-      lane[l] = (lane[l] ^ w) * kMul[l];
+  for (; i + 16 * kLanes <= n; i += 16 * kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      uint64_t a, b;
+      std::memcpy(&a, data + i + 16 * l, 8);
+      std::memcpy(&b, data + i + 16 * l + 8, 8);
+      lane[l] = (lane[l] ^ a) * kMul[l] + b;
     }
   }
   for (int l = 0; i < n; ++l) {  // the tail: whole words, then the last bytes zero-extended
     uint64_t w = 0;
     const size_t take = std::min<size_t>(8, n - i);
     std::memcpy(&w, data + i, take);
-    lane[l & 3] = (lane[l & 3] ^ w) * kMul[l & 3];
+    lane[l % kLanes] = (lane[l % kLanes] ^ w) * kMul[l % kLanes];
     i += take;
   }
   uint64_t h = static_cast<uint64_t>(n);
-  for (int l = 0; l < 4; ++l) h = prefix_hash::mix(h ^ lane[l]) + static_cast<uint64_t>(l);
+  for (int l = 0; l < kLanes; ++l) h = prefix_hash::mix(h ^ lane[l]) + static_cast<uint64_t>(l);
   return h;
 }
 
