@@ -165,6 +165,12 @@ void round_trip(const KVQuant& quant, at::ScalarType dtype) {
   page_store::load(to, 1, entry);
   EXPECT_EQ(page_bytes(to, 1), page_bytes(from, 2));
   EXPECT_NE(page_bytes(to, 0), page_bytes(from, 2));  // a page it did not load stays as it was (zeros)
+  {  // ATen's copies (what a CUDA cache takes) make the same entry and load the same page as the CPU path
+    pagedkv::ScopedBackend generic(pagedkv::Backend::generic);
+    EXPECT_TRUE(at::equal(entry_for(from, 2, tokens).second, entry));
+    page_store::load(to, 2, entry);
+  }
+  EXPECT_EQ(page_bytes(to, 2), page_bytes(from, 2));
 }
 
 TEST(PageEntry, RoundTripIsBitForBitAcrossLayoutsAndFormats) {

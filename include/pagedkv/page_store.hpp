@@ -49,8 +49,11 @@
 #include <vector>
 
 #include "pagedkv/checks.hpp"
+#include "pagedkv/cpu/copy.hpp"
 #include "pagedkv/kv_format.hpp"
 #include "pagedkv/layouts.hpp"
+#include "pagedkv/ops/backend.hpp"
+#include "pagedkv/ops/page_copy.hpp"
 #include "pagedkv/paged_cache.hpp"
 #include "pagedkv/prefix_hash.hpp"
 
@@ -148,8 +151,11 @@ struct Header {
 };
 static_assert(sizeof(Header) == 104, "the entry header is 104 bytes with no padding");
 
-constexpr char kMagic[8] = {'P', 'K', 'V', 'P', 'A', 'G', 'E', '1'};
-constexpr uint64_t kFormatVersion = 1;  // part of every key: a new format never reads an old entry
+constexpr char kMagic[8] = {'P', 'K', 'V', 'P', 'A', 'G', 'E', '2'};
+// Part of every key, so a new format never even names an old entry; the
+// magic also differs, so an old entry read by any means is a corrupt miss.
+// 2: the checksum folds two words per multiply.
+constexpr uint64_t kFormatVersion = 2;
 
 /// A stable code per dtype (c10's enum numbering is not a file format).
 inline int32_t dtype_code(at::ScalarType t) {
@@ -196,30 +202,39 @@ struct Geometry {
   }
 };
 
-/// 64-bit checksum: four independent multiply-xor lanes over 8-byte words
-/// (each step is a bijection of its lane, so any change to one word always
-/// changes the sum), then murmur3's finaliser over the lanes and the length.
+/// 64-bit checksum: eight independent lanes, each step folding two 8-byte
+/// words a and b into its lane as (lane ^ a) * odd + b, a bijection of the
+/// lane and of each word alone, so any change to one word always changes
+/// the sum; then murmur3's finaliser over the lanes and the length. Two
+/// words per multiply: one per multiply (format 1) was bound by the
+/// multiplier's throughput, a fifth of a disk restore (bench/NOTES.md,
+/// "Restores without a parallel region per page").
 inline uint64_t checksum(const uint8_t* data, size_t n) noexcept {
-  constexpr uint64_t kMul[4] = {0x9e3779b97f4a7c15ULL, 0xc2b2ae3d27d4eb4fULL, 0x165667b19e3779f9ULL,
-                                0xd6e8feb86659fd93ULL};
-  uint64_t lane[4] = {0x243f6a8885a308d3ULL, 0x13198a2e03707344ULL, 0xa4093822299f31d0ULL, 0x082efa98ec4e6c89ULL};
+  constexpr int kLanes = 8;
+  constexpr uint64_t kMul[kLanes] = {0x9e3779b97f4a7c15ULL, 0xc2b2ae3d27d4eb4fULL, 0x165667b19e3779f9ULL,
+                                     0xd6e8feb86659fd93ULL, 0xa0761d6478bd642fULL, 0xe7037ed1a0b428dbULL,
+                                     0x8ebc6af09c88c6e3ULL, 0x589965cc75374cc3ULL};
+  uint64_t lane[kLanes] = {0x243f6a8885a308d3ULL, 0x13198a2e03707344ULL, 0xa4093822299f31d0ULL,
+                           0x082efa98ec4e6c89ULL, 0x452821e638d01377ULL, 0xbe5466cf34e90c6cULL,
+                           0xc0ac29b7c97c50ddULL, 0x3f84d5b5b5470917ULL};
   size_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    for (int l = 0; l < 4; ++l) {
-      uint64_t w;
-      std::memcpy(&w, data + i + 8 * l, 8);
-      lane[l] = (lane[l] ^ w) * kMul[l];
+  for (; i + 16 * kLanes <= n; i += 16 * kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      uint64_t a, b;
+      std::memcpy(&a, data + i + 16 * l, 8);
+      std::memcpy(&b, data + i + 16 * l + 8, 8);
+      lane[l] = (lane[l] ^ a) * kMul[l] + b;
     }
   }
   for (int l = 0; i < n; ++l) {  // the tail: whole words, then the last bytes zero-extended
     uint64_t w = 0;
     const size_t take = std::min<size_t>(8, n - i);
     std::memcpy(&w, data + i, take);
-    lane[l & 3] = (lane[l & 3] ^ w) * kMul[l & 3];
+    lane[l % kLanes] = (lane[l % kLanes] ^ w) * kMul[l % kLanes];
     i += take;
   }
   uint64_t h = static_cast<uint64_t>(n);
-  for (int l = 0; l < 4; ++l) h = prefix_hash::mix(h ^ lane[l]) + static_cast<uint64_t>(l);
+  for (int l = 0; l < kLanes; ++l) h = prefix_hash::mix(h ^ lane[l]) + static_cast<uint64_t>(l);
   return h;
 }
 
@@ -296,6 +311,72 @@ inline Sections sections(const Geometry& g, uint8_t* payload) {
   return s;
 }
 
+/// Copies page `page` of `cache`, every layer, K and V with their scales,
+/// into an entry's sections (to_entry) or from them.
+template <class Layout>
+void copy_page(const PagedCache<Layout>& cache, int64_t page, const Sections& s, bool to_entry) {
+  if (ops::use_cpu_kernels(cache.device())) {
+    // On the calling thread, one memcpy per contiguous run: each section is
+    // a few hundred KiB, over ATen's grain, so a copy_ per section was a
+    // parallel region per section, and a restore of a long prefix entered
+    // hundreds of them, each stalling whenever an OpenMP worker was
+    // descheduled (bench/NOTES.md, "Restores without a parallel region per page").
+    // Into the cache, the library's policy for writes (cpu::use_streaming_stores):
+    // a restored page is a cold slot, and a page of 1 MiB or more streams.
+    const int64_t code_bytes = static_cast<int64_t>(cache.k_cache().element_size());
+    const bool stream =
+        !to_entry && cpu::use_streaming_stores(static_cast<int64_t>(Geometry::of(cache).payload_bytes()),
+                                               cpu::page_strides(cache.geometry(), code_bytes), cache.geometry(),
+                                               code_bytes);
+    const auto tensors = ops::page_tensors(cache.storage());  // k, v, k scales, v scales
+    const at::Tensor* entry_sections[4] = {&s.k, &s.v, &s.k_scales, &s.v_scales};
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const at::Tensor& t = tensors[i].first;
+      if (!t.defined()) continue;
+      const PageGeometry& pg = tensors[i].second;
+      const int64_t es = static_cast<int64_t>(t.element_size());
+      const cpu::BlockShape shape{pg.page_size, pg.n_heads, pg.head_dim, es};
+      const cpu::BlockStrides in_cache = cpu::page_strides(pg, es);
+      const cpu::BlockStrides in_entry{pg.n_heads * pg.head_dim * es, pg.head_dim * es, es};  // token-major
+      const int64_t cache_layer_bytes = t.stride(0) * es;
+      const int64_t entry_layer_bytes = pg.page_elems * es;
+      char* cache_page = static_cast<char*>(t.data_ptr()) + page * t.stride(1) * es;
+      char* entry = static_cast<char*>(entry_sections[i]->data_ptr());
+      for (int64_t layer = 0; layer < t.size(0); ++layer) {
+        char* c = cache_page + layer * cache_layer_bytes;
+        char* e = entry + layer * entry_layer_bytes;
+        if (to_entry) {
+          cpu::copy_block(e, in_entry, c, in_cache, shape);
+        } else if (stream) {
+          cpu::copy_block<true>(c, in_cache, e, in_entry, shape);
+        } else {
+          cpu::copy_block(c, in_cache, e, in_entry, shape);
+        }
+      }
+    }
+    if (stream) cpu::streaming_fence();
+    return;
+  }
+  // Blocking copies, also from pinned memory to a CUDA cache (a DMA at
+  // full speed): the views over the entry do not own its memory, so the
+  // host allocator could not tell that an asynchronous copy still reads it
+  // once the store lets the entry go.
+  const int64_t ps = cache.page_size(), heads = cache.n_kv_heads();
+  const std::pair<at::Tensor, at::Tensor> pairs[4] = {
+      {page_codes<Layout>(cache.k_cache(), page), s.k},
+      {page_codes<Layout>(cache.v_cache(), page), s.v},
+      {s.k_scales.defined() ? page_scales<Layout>(cache.k_scales(), page, ps, heads) : at::Tensor(), s.k_scales},
+      {s.v_scales.defined() ? page_scales<Layout>(cache.v_scales(), page, ps, heads) : at::Tensor(), s.v_scales}};
+  for (const auto& [in_cache, in_entry] : pairs) {
+    if (!in_entry.defined()) continue;
+    if (to_entry) {
+      in_entry.copy_(in_cache);
+    } else {
+      in_cache.copy_(in_entry);
+    }
+  }
+}
+
 /// A new entry holding page `page` of `cache` under `id` (pinned host
 /// memory for a CUDA cache, so that a later load is a DMA at full speed).
 template <class Layout>
@@ -334,10 +415,7 @@ at::Tensor encode(const PagedCache<Layout>& cache, int64_t page, const Identity&
       p += padded(n);
     }
   }
-  s.k.copy_(page_codes<Layout>(cache.k_cache(), page));
-  s.v.copy_(page_codes<Layout>(cache.v_cache(), page));
-  if (s.k_scales.defined()) s.k_scales.copy_(page_scales<Layout>(cache.k_scales(), page, g.page_size, g.n_kv_heads));
-  if (s.v_scales.defined()) s.v_scales.copy_(page_scales<Layout>(cache.v_scales(), page, g.page_size, g.n_kv_heads));
+  copy_page(cache, page, s, /*to_entry=*/true);
   const uint64_t sum = checksum(data, size - sizeof(uint64_t));
   std::memcpy(data + size - sizeof(uint64_t), &sum, sizeof(sum));
   return entry;
@@ -392,15 +470,7 @@ void load(PagedCache<Layout>& cache, int64_t page, const at::Tensor& entry) {
   Header h{};
   std::memcpy(&h, entry.data_ptr<uint8_t>(), sizeof(h));
   uint8_t* payload = entry.data_ptr<uint8_t>() + sizeof(Header) + static_cast<size_t>(h.n_tokens) * sizeof(int64_t);
-  const Sections s = sections(g, payload);
-  // Blocking copies, also from pinned memory to a CUDA cache (a DMA at
-  // full speed): the views over the entry do not own its memory, so the
-  // host allocator could not tell that an asynchronous copy still reads it
-  // once the store lets the entry go.
-  page_codes<Layout>(cache.k_cache(), page).copy_(s.k);
-  page_codes<Layout>(cache.v_cache(), page).copy_(s.v);
-  if (s.k_scales.defined()) page_scales<Layout>(cache.k_scales(), page, g.page_size, g.n_kv_heads).copy_(s.k_scales);
-  if (s.v_scales.defined()) page_scales<Layout>(cache.v_scales(), page, g.page_size, g.n_kv_heads).copy_(s.v_scales);
+  copy_page(cache, page, sections(g, payload), /*to_entry=*/false);
 }
 
 }  // namespace page_store
