@@ -112,6 +112,23 @@ def test_greedy_matches_transformers(family):
         assert pool.cache.n_pages - pool.cache.n_free() <= 2 * (-(-WINDOW // 3) + 1)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU visible")
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text", "gpt_oss"])
+def test_cuda_tensors(family):
+    """The model on a GPU: the pages on its device, the native CUDA kernels (never run yet where this is written:
+    no GPU; every CPU test above runs the same Python)."""
+    config, reference, paged = models(family)
+    reference, paged = copy.deepcopy(reference).cuda(), copy.deepcopy(paged).cuda()
+    ids = prompt(batch=2).cuda()
+    expected = generate(reference, ids, DynamicCache(config=config))
+    cache = pkt.PagedKVCache(paged.config, n_pages=64, page_size=3)
+    pkt.reset_stats()
+    got = generate(paged, ids, cache)
+    assert all(pool.cache.k_cache.is_cuda for pool in cache.pools if pool.cache is not None)
+    assert pkt.stats()["fallback_calls"] == 0
+    assert_same_generation(expected, got, tol=1e-3)  # cuBLAS and the GPU's sdpa sum in other orders
+
+
 def paged_config(family):
     return models(family)[2].config
 
