@@ -145,6 +145,45 @@ const std::vector<KVQuant> kFormats = {KVQuant{},
                                        KVQuant{KVFormat::int8, KVFormat::int8},
                                        KVQuant{KVFormat::fp8_e4m3, KVFormat::int8}};
 
+/// An entry read as a file is (EntryReader): says it has `claimed` bytes and
+/// gives at most the first `available` (a file that shrank under the reader).
+class FileLikeReader final : public pagedkv::EntryReader {
+ public:
+  FileLikeReader(at::Tensor entry, size_t claimed, size_t available)
+      : entry_(std::move(entry)), claimed_(claimed), available_(available) {}
+  explicit FileLikeReader(const at::Tensor& entry)
+      : FileLikeReader(entry, static_cast<size_t>(entry.numel()), static_cast<size_t>(entry.numel())) {}
+  size_t size() const override { return claimed_; }
+  size_t read(uint8_t* dst, size_t n) override {
+    const size_t take = std::min(n, available_ - done_);
+    if (take > 0) std::memcpy(dst, entry_.data_ptr<uint8_t>() + done_, take);
+    done_ += take;
+    return take;
+  }
+
+ private:
+  at::Tensor entry_;
+  size_t claimed_, available_, done_ = 0;
+};
+
+/// What PrefixCache does with a reader: the entry read whole, its size,
+/// header and tokens (n_tokens) checked, then page_store::load_checked.
+/// Verdict ok only when the page got the entry.
+template <class L>
+page_store::Verdict load_from_reader(PagedCache<L>& cache, int64_t page, pagedkv::EntryReader& reader,
+                                     const PageKey& key, const std::vector<int64_t>& tokens) {
+  const size_t size = reader.size();
+  std::vector<uint8_t> buffer(size);
+  if (reader.read(buffer.data(), size) != size) return page_store::Verdict::corrupt;
+  std::string why;
+  const page_store::Verdict v = page_store::verify_bytes(buffer.data(), size, page_store::Geometry::of(cache), key, 0,
+                                                         tokens.data(), static_cast<int64_t>(tokens.size()), &why,
+                                                         /*check_sum=*/false);
+  if (v != page_store::Verdict::ok) return v;
+  return page_store::load_checked(cache, page, buffer.data(), size) ? page_store::Verdict::ok
+                                                                   : page_store::Verdict::corrupt;
+}
+
 // ---- the entry format ----
 
 template <class From, class To>
@@ -165,6 +204,15 @@ void round_trip(const KVQuant& quant, at::ScalarType dtype) {
   page_store::load(to, 1, entry);
   EXPECT_EQ(page_bytes(to, 1), page_bytes(from, 2));
   EXPECT_NE(page_bytes(to, 0), page_bytes(from, 2));  // a page it did not load stays as it was (zeros)
+  // The loads that checksum during their copy (an entry in memory, one a
+  // store reads: a disk tier's) load the same page.
+  EXPECT_TRUE(page_store::load_checked(to, 3, entry));
+  EXPECT_EQ(page_bytes(to, 3), page_bytes(from, 2));
+  to.k_cache().select(1, 3).zero_();
+  to.v_cache().select(1, 3).zero_();
+  FileLikeReader reader(entry);
+  EXPECT_EQ(load_from_reader(to, 3, reader, key, tokens), page_store::Verdict::ok);
+  EXPECT_EQ(page_bytes(to, 3), page_bytes(from, 2));
   {  // ATen's copies (what a CUDA cache takes) make the same entry and load the same page as the CPU path
     pagedkv::ScopedBackend generic(pagedkv::Backend::generic);
     EXPECT_TRUE(at::equal(entry_for(from, 2, tokens).second, entry));
@@ -203,12 +251,28 @@ TEST(PageEntry, EveryCorruptByteAndEveryTruncationIsRejected) {
       bad.data_ptr<uint8_t>()[i] ^= flip;
       EXPECT_NE(page_store::verify(bad, g, key, 0, tokens.data(), 4, &why), page_store::Verdict::ok)
           << "byte " << i << " of " << size << " xor " << int(flip);
+      // What passes the checks before a checked load fails during its copy.
+      if (page_store::verify(bad, g, key, 0, tokens.data(), 4, &why, /*check_sum=*/false) == page_store::Verdict::ok) {
+        EXPECT_FALSE(page_store::load_checked(cache, 1, bad)) << "byte " << i << " of " << size << " xor " << int(flip);
+      }
+      FileLikeReader reader(bad);
+      EXPECT_NE(load_from_reader(cache, 1, reader, key, tokens), page_store::Verdict::ok)
+          << "read: byte " << i << " of " << size << " xor " << int(flip);
     }
   }
   for (int64_t n = 0; n < size; ++n) {
     EXPECT_NE(page_store::verify(entry.narrow(0, 0, n).clone(), g, key, 0, tokens.data(), 4, &why),
               page_store::Verdict::ok)
         << "truncated to " << n << " bytes";
+    FileLikeReader truncated(entry.narrow(0, 0, n).clone());
+    EXPECT_NE(load_from_reader(cache, 1, truncated, key, tokens), page_store::Verdict::ok) << "truncated to " << n;
+    // A file that shrinks after its size was read reads short.
+    FileLikeReader shrunk(entry, static_cast<size_t>(size), static_cast<size_t>(n));
+    EXPECT_NE(load_from_reader(cache, 1, shrunk, key, tokens), page_store::Verdict::ok) << "shrunk to " << n;
+  }
+  {
+    FileLikeReader intact(entry);
+    EXPECT_EQ(load_from_reader(cache, 1, intact, key, tokens), page_store::Verdict::ok);
   }
   at::Tensor longer = at::cat({entry, at::zeros({8}, at::kByte)});
   EXPECT_NE(page_store::verify(longer, g, key, 0, tokens.data(), 4, &why), page_store::Verdict::ok);
@@ -243,6 +307,86 @@ TEST(PageEntry, ForeignEntriesAreRejected) {
     // Every property is in the key too: a store shared by another model never even names this entry.
     EXPECT_NE(page_store::key_seed(other_g, 9), page_store::key_seed(g, 9)) << "change " << change;
   }
+}
+
+/// Bytes 0..n-1 of a fixed pseudo-random sequence.
+std::vector<uint8_t> random_bytes(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> b(n);
+  for (auto& x : b) x = static_cast<uint8_t>(rng());
+  return b;
+}
+
+TEST(PageEntry, TheChecksumFedInPiecesIsTheChecksumOfTheWhole) {
+  std::mt19937 rng(21);
+  for (const size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{127}, size_t{128}, size_t{129}, size_t{1000},
+                         size_t{5003}, size_t{70000}}) {
+    const std::vector<uint8_t> data = random_bytes(n, static_cast<uint32_t>(n));
+    const uint64_t whole = page_store::checksum(data.data(), n);
+    for (int round = 0; round < 8; ++round) {
+      // Pieces of random sizes, some a multiple of 16 (the streaming copy's
+      // case), copied to a destination at a random 8-byte offset.
+      std::vector<char> out(n + 64, 0);
+      const size_t offset = 8 * (rng() % 4);
+      page_store::Checksum plain, copying, streaming;
+      std::vector<char> streamed(n + 64, 0);
+      for (size_t at = 0; at < n;) {
+        size_t piece = 1 + rng() % 700;
+        if (round % 2 == 0) piece = 16 * (1 + rng() % 40);
+        piece = std::min(piece, n - at);
+        plain.update(data.data() + at, piece);
+        copying.update_copy<false>(out.data() + offset + at, data.data() + at, piece);
+        streaming.update_copy<true>(streamed.data() + offset + at, data.data() + at, piece);
+        at += piece;
+      }
+      pagedkv::cpu::streaming_fence();
+      SCOPED_TRACE("n " + std::to_string(n) + ", round " + std::to_string(round));
+      EXPECT_EQ(plain.finish(), whole);
+      EXPECT_EQ(copying.finish(), whole);
+      EXPECT_EQ(streaming.finish(), whole);
+      EXPECT_EQ(std::memcmp(out.data() + offset, data.data(), n), 0);
+      EXPECT_EQ(std::memcmp(streamed.data() + offset, data.data(), n), 0);
+    }
+  }
+}
+
+TEST(PageEntry, ACheckedLoadOfALargePageStreamsAndIsBitForBit) {
+  at::manual_seed(22);
+  // 1 MiB of K/V per page, NHD: the copy streams (cpu::use_streaming_stores),
+  // the checksum runs in the same pass (Checksum::update_copy).
+  PagedCache<NHD> from(16, 2, 16, 8, 128, at::TensorOptions().dtype(at::kBFloat16));
+  PagedCache<NHD> to(16, 3, 16, 8, 128, at::TensorOptions().dtype(at::kBFloat16));
+  from.k_cache().uniform_(-4, 4);
+  from.v_cache().uniform_(-4, 4);
+  std::vector<int64_t> tokens(16 * 3);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int64_t>(i) * 3 + 1;
+  const auto g = page_store::Geometry::of(from);
+  const PageKey key{12345};
+  // A third page of a prompt: the payload starts off the checksum's 128-byte grid.
+  const at::Tensor entry = page_store::encode(from, 1, page_store::Identity{key, 1, 2, 0, tokens.data(), 48});
+  std::string why;
+  ASSERT_EQ(page_store::verify(entry, g, key, 0, tokens.data(), 48, &why), page_store::Verdict::ok) << why;
+  ASSERT_TRUE(page_store::load_checked(to, 2, entry));
+  EXPECT_TRUE(at::equal(to.k_cache().select(1, 2), from.k_cache().select(1, 1)));
+  EXPECT_TRUE(at::equal(to.v_cache().select(1, 2), from.v_cache().select(1, 1)));
+  const size_t payload = sizeof(page_store::Header) + 48 * sizeof(int64_t);
+  for (const size_t at_byte : {payload, payload + 1, payload + g.payload_bytes() / 2 + 5, payload + g.payload_bytes() - 1,
+                               static_cast<size_t>(entry.numel()) - 1}) {
+    at::Tensor bad = entry.clone();
+    bad.data_ptr<uint8_t>()[at_byte] ^= 0x10;
+    ASSERT_EQ(page_store::verify(bad, g, key, 0, tokens.data(), 48, &why, /*check_sum=*/false),
+              page_store::Verdict::ok);
+    EXPECT_FALSE(page_store::load_checked(to, 0, bad)) << "byte " << at_byte;
+    FileLikeReader reader(bad);
+    EXPECT_EQ(load_from_reader(to, 0, reader, key, tokens), page_store::Verdict::corrupt) << "byte " << at_byte;
+  }
+  // Read from a reader, bit for bit.
+  to.k_cache().zero_();
+  to.v_cache().zero_();
+  FileLikeReader reader(entry);
+  ASSERT_EQ(load_from_reader(to, 1, reader, key, tokens), page_store::Verdict::ok);
+  EXPECT_TRUE(at::equal(to.k_cache().select(1, 1), from.k_cache().select(1, 1)));
+  EXPECT_TRUE(at::equal(to.v_cache().select(1, 1), from.v_cache().select(1, 1)));
 }
 
 // ---- stores ----
@@ -578,6 +722,129 @@ TEST(PrefixTiers, CorruptOrForeignDiskEntriesAreMissesWithAWarning) {
   const size_t warned = warnings.messages.size();
   for (const auto* p : {&prompt, &other}) seqs.release(prefix.acquire(ids(*p)).first);
   EXPECT_EQ(warnings.messages.size(), warned);
+  prefix.check();
+}
+
+/// A disk entry whose payload is damaged passes the checks of its header
+/// and tokens, and fails its checksum during the copy into a newly allocated
+/// page (page_store::CheckedLoad): the page goes back, and the pool, the
+/// pages the device caches and the acquiring sequence are as if the entry
+/// had never been there (a miss at that page, a warning, the entry removed).
+TEST(PrefixTiers, ADamagedPayloadFoundDuringTheCopyChangesNothing) {
+  at::manual_seed(16);
+  TempDir dir;
+  const std::vector<int64_t> prompt = prompt_of(3 * kPage + 1, 40);
+  const std::vector<int64_t> kept = prompt_of(2 * kPage + 1, 400);
+  std::vector<uint8_t> first_page;
+  {
+    PagedCache<NHD> cache = make_cache<NHD>(8);
+    SequenceTable<NHD> seqs(cache);
+    PrefixCache<NHD> prefix(seqs, {pagedkv::disk_store(dir.path, 1 << 20)});
+    const int64_t seq = run_request(seqs, prefix, prompt);
+    first_page = page_bytes(cache, seqs.pages(seq)[0]);
+    seqs.release(seq);
+    prefix.clear();
+  }
+  ASSERT_EQ(dir.entries().size(), 3u);
+  PagedCache<NHD> cache = make_cache<NHD>(8);
+  const auto g = page_store::Geometry::of(cache);
+  const PageKey key0 = page_store::next_key(page_store::key_seed(g, 0), prompt.data(), kPage);
+  const PageKey key1 = page_store::next_key(key0.hash, prompt.data() + kPage, kPage);
+  const uint64_t h0 = pagedkv::prefix_hash::page(pagedkv::prefix_hash::salt_seed(0), prompt.data(), kPage);
+  const uint64_t h1 = pagedkv::prefix_hash::page(h0, prompt.data() + kPage, kPage);
+  const std::string damaged = dir.path + "/" + key1.name() + ".pkv";
+  {
+    const auto size = static_cast<int64_t>(std::filesystem::file_size(damaged));
+    std::fstream f(damaged, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(size - 8 - 5);  // the payload's last bytes
+    f.put('\x5a');
+  }
+  SequenceTable<NHD> seqs(cache);
+  auto disk = std::make_shared<pagedkv::DiskStore>(dir.path, 1 << 20);
+  PrefixCache<NHD> prefix(seqs, {disk});
+  const int64_t held = run_request(seqs, prefix, kept);  // pages the device caches, in use
+  const std::vector<int64_t> held_pages = seqs.pages(held);
+  std::vector<std::vector<uint8_t>> held_bytes;
+  for (const int64_t page : held_pages) held_bytes.push_back(page_bytes(cache, page));
+  const int64_t free_before = cache.n_free();
+  const int64_t cached_before = prefix.n_cached();
+  std::vector<std::pair<PrefixEvent::Type, uint64_t>> events;
+  std::vector<std::string> event_tiers;
+  prefix.set_event_listener([&](const PrefixEvent& e) {
+    events.emplace_back(e.type, e.hash);
+    event_tiers.push_back(e.tier);
+  });
+  Warnings warnings;
+  const auto [seq, n] = prefix.acquire(ids(prompt));
+  EXPECT_EQ(n, kPage);  // the first page; the second is damaged
+  EXPECT_EQ(cache.n_free(), free_before - 1);
+  EXPECT_EQ(prefix.n_cached(), cached_before + 1);
+  EXPECT_EQ(page_bytes(cache, seqs.pages(seq)[0]), first_page);
+  EXPECT_EQ(seqs.length(seq), kPage);
+  EXPECT_EQ(seqs.pages(held), held_pages);
+  for (size_t i = 0; i < held_pages.size(); ++i) EXPECT_EQ(page_bytes(cache, held_pages[i]), held_bytes[i]);
+  EXPECT_TRUE(warnings.any("checksum")) << "no warning names the damage";
+  EXPECT_EQ(warnings.messages.size(), 1u);
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0], std::make_pair(PrefixEvent::Type::stored, h0));
+  EXPECT_EQ(event_tiers[0], "device");
+  EXPECT_EQ(events[1], std::make_pair(PrefixEvent::Type::removed, h1));
+  EXPECT_EQ(event_tiers[1], "disk");
+  EXPECT_EQ(prefix.stats().tiers[0].loaded_pages, 1);
+  disk->flush();
+  EXPECT_FALSE(std::filesystem::exists(damaged));
+  EXPECT_EQ(dir.entries().size(), 2u);  // the first page's entry and the third's, not reached
+  // The sequence goes on from its one page as from a computed one.
+  EXPECT_TRUE(seqs.prepare_append(seq, 2 * kPage + 1));
+  seqs.commit_append(seq, 2 * kPage + 1);
+  seqs.release(seq);
+  seqs.release(held);
+  prefix.check();
+}
+
+/// With no free page, a load must evict a cached page to make room: the
+/// checksum then comes before the allocation (a pass of its own), so that a
+/// damaged entry costs no cached page.
+TEST(PrefixTiers, ADamagedEntryEvictsNothingWhenThePoolIsFull) {
+  at::manual_seed(17);
+  TempDir dir;
+  const std::vector<int64_t> prompt = prompt_of(2 * kPage + 1, 41);
+  const std::vector<int64_t> cached = prompt_of(2 * kPage + 1, 410);
+  {
+    PagedCache<NHD> cache = make_cache<NHD>(8);
+    SequenceTable<NHD> seqs(cache);
+    PrefixCache<NHD> prefix(seqs, {pagedkv::disk_store(dir.path, 1 << 20)});
+    seqs.release(run_request(seqs, prefix, prompt));
+    prefix.clear();
+  }
+  ASSERT_EQ(dir.entries().size(), 2u);
+  PagedCache<NHD> cache = make_cache<NHD>(4);
+  const auto g = page_store::Geometry::of(cache);
+  const PageKey key0 = page_store::next_key(page_store::key_seed(g, 0), prompt.data(), kPage);
+  const PageKey key1 = page_store::next_key(key0.hash, prompt.data() + kPage, kPage);
+  const std::string damaged = dir.path + "/" + key1.name() + ".pkv";
+  {
+    const auto size = static_cast<int64_t>(std::filesystem::file_size(damaged));
+    std::fstream f(damaged, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(size - 8 - 5);  // the payload's last bytes
+    f.put('\x5a');
+  }
+  SequenceTable<NHD> seqs(cache);
+  auto disk = std::make_shared<pagedkv::DiskStore>(dir.path, 1 << 20);
+  PrefixCache<NHD> prefix(seqs, {disk});
+  seqs.release(run_request(seqs, prefix, cached));  // 2 cached pages, evictable
+  const int64_t other = seqs.create();
+  ASSERT_TRUE(seqs.reserve(other, 2 * kPage));  // the other 2 pages: none free
+  ASSERT_EQ(cache.n_free(), 0);
+  ASSERT_EQ(prefix.n_cached(), 2);
+  Warnings warnings;
+  const auto [seq, n] = prefix.acquire(ids(prompt));
+  EXPECT_EQ(n, kPage);  // the first page, for which one cached page was evicted
+  EXPECT_EQ(prefix.n_cached(), 2);  // the loaded page and the cached page the damaged entry did not cost
+  EXPECT_EQ(cache.n_free(), 0);
+  EXPECT_TRUE(warnings.any("checksum")) << "no warning names the damage";
+  seqs.release(seq);
+  seqs.release(other);
   prefix.check();
 }
 

@@ -44,6 +44,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -81,6 +82,50 @@ struct StoredPage {
   at::Tensor entry;  // 1-D kByte, contiguous, on the CPU
 };
 
+/// An entry a store reads as the cache asks (PageStore::open): a file read
+/// into a buffer the cache keeps from entry to entry rather than into a
+/// new tensor per entry (bench/NOTES.md, "Verifying while copying").
+class EntryReader {
+ public:
+  virtual ~EntryReader() = default;
+  /// The entry's size in bytes.
+  virtual size_t size() const = 0;
+  /// Reads the entry's next n bytes into dst; returns the bytes read, fewer
+  /// than n only when the entry ends early or reading fails (the cache then
+  /// counts the entry corrupt: a miss).
+  virtual size_t read(uint8_t* dst, size_t n) = 0;
+  /// The whole entry, when the reader only holds one in memory (the default
+  /// PageStore::open's): the cache then reads it in place. Undefined otherwise.
+  virtual at::Tensor whole() const { return at::Tensor(); }
+
+ protected:
+  EntryReader() = default;
+  EntryReader(const EntryReader&) = default;
+  EntryReader& operator=(const EntryReader&) = default;
+};
+
+namespace detail {
+
+/// An entry in memory as an EntryReader.
+class TensorReader final : public EntryReader {
+ public:
+  explicit TensorReader(at::Tensor entry) : entry_(std::move(entry)) {}
+  size_t size() const override { return static_cast<size_t>(entry_.numel()); }
+  size_t read(uint8_t* dst, size_t n) override {
+    const size_t take = std::min(n, size() - done_);
+    if (take > 0) std::memcpy(dst, entry_.data_ptr<uint8_t>() + done_, take);
+    done_ += take;
+    return take;
+  }
+  at::Tensor whole() const override { return entry_; }
+
+ private:
+  at::Tensor entry_;
+  size_t done_ = 0;
+};
+
+}  // namespace detail
+
 /// One tier below the device pool. Entries are 1-D contiguous kByte CPU
 /// tensors that the store keeps as they are (it may keep the tensor itself:
 /// the cache never writes to an entry after put). Implementations must not
@@ -108,6 +153,17 @@ class PageStore {
 
   /// Removes the entry under `key`, if any (the cache found it corrupt or foreign).
   virtual void erase(const PageKey& key) = 0;
+
+  /// The entry under `key` to read, marked used; null on a miss. Optional:
+  /// by default get()'s tensor (EntryReader::whole), which the cache reads
+  /// in place. A store whose entries come from elsewhere (a file) may give a
+  /// reader instead, and the cache reads the entry into a buffer of its own
+  /// that it reuses from entry to entry (disk_store does).
+  virtual std::unique_ptr<EntryReader> open(const PageKey& key) {
+    at::Tensor entry = get(key);
+    if (!entry.defined()) return nullptr;
+    return std::make_unique<detail::TensorReader>(std::move(entry));
+  }
 
   /// Removes and returns every entry, least recently used first, when the
   /// store's memory dies with the process (host memory), so that its
@@ -208,34 +264,122 @@ struct Geometry {
 /// the sum; then murmur3's finaliser over the lanes and the length. Two
 /// words per multiply: one per multiply (format 1) was bound by the
 /// multiplier's throughput, a fifth of a disk restore (bench/NOTES.md,
-/// "Restores without a parallel region per page").
-inline uint64_t checksum(const uint8_t* data, size_t n) noexcept {
-  constexpr int kLanes = 8;
-  constexpr uint64_t kMul[kLanes] = {0x9e3779b97f4a7c15ULL, 0xc2b2ae3d27d4eb4fULL, 0x165667b19e3779f9ULL,
-                                     0xd6e8feb86659fd93ULL, 0xa0761d6478bd642fULL, 0xe7037ed1a0b428dbULL,
-                                     0x8ebc6af09c88c6e3ULL, 0x589965cc75374cc3ULL};
-  uint64_t lane[kLanes] = {0x243f6a8885a308d3ULL, 0x13198a2e03707344ULL, 0xa4093822299f31d0ULL,
-                           0x082efa98ec4e6c89ULL, 0x452821e638d01377ULL, 0xbe5466cf34e90c6cULL,
-                           0xc0ac29b7c97c50ddULL, 0x3f84d5b5b5470917ULL};
-  size_t i = 0;
-  for (; i + 16 * kLanes <= n; i += 16 * kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      uint64_t a, b;
-      std::memcpy(&a, data + i + 16 * l, 8);
-      std::memcpy(&b, data + i + 16 * l + 8, 8);
-      lane[l] = (lane[l] ^ a) * kMul[l] + b;
+/// "Restores without a parallel region per page"). Fed in pieces (a load
+/// sums the payload while it copies it into the page), it gives what
+/// checksum() gives over their concatenation.
+class Checksum {
+ public:
+  static constexpr size_t kBlock = 128;  // 16 words: two per lane
+
+  Checksum() noexcept {
+    constexpr uint64_t kInit[kLanes] = {0x243f6a8885a308d3ULL, 0x13198a2e03707344ULL, 0xa4093822299f31d0ULL,
+                                        0x082efa98ec4e6c89ULL, 0x452821e638d01377ULL, 0xbe5466cf34e90c6cULL,
+                                        0xc0ac29b7c97c50ddULL, 0x3f84d5b5b5470917ULL};
+    for (int l = 0; l < kLanes; ++l) lane_[l] = kInit[l];
+  }
+
+  /// Sums the next n bytes.
+  void update(const uint8_t* data, size_t n) noexcept {
+    if (n == 0) return;
+    total_ += n;
+    if (carried_ > 0) {
+      const size_t take = std::min(n, kBlock - carried_);
+      std::memcpy(carry_ + carried_, data, take);
+      carried_ += take;
+      data += take;
+      n -= take;
+      if (carried_ < kBlock) return;
+      fold(lane_, carry_, 1);
+      carried_ = 0;
     }
+    const size_t blocks = n / kBlock;
+    fold(lane_, data, blocks);
+    carried_ = n - blocks * kBlock;
+    if (carried_ > 0) std::memcpy(carry_, data + blocks * kBlock, carried_);
   }
-  for (int l = 0; i < n; ++l) {  // the tail: whole words, then the last bytes zero-extended
-    uint64_t w = 0;
-    const size_t take = std::min<size_t>(8, n - i);
-    std::memcpy(&w, data + i, take);
-    lane[l % kLanes] = (lane[l % kLanes] ^ w) * kMul[l % kLanes];
-    i += take;
+
+  /// update(src, n), and the same n bytes copied to dst, read once for both:
+  /// the copy follows the sum 128 bytes at a time. kStream: with streaming
+  /// stores when dst is 16-byte aligned and n a multiple of 16 (else the
+  /// sum, then a memcpy of what the sum just read).
+  template <bool kStream>
+  void update_copy(char* dst, const uint8_t* src, size_t n) noexcept {
+#if defined(__SSE2__)
+    if (kStream && ((reinterpret_cast<uintptr_t>(dst) | n) & 15) == 0) {
+      // The sum's blocks lie on the entry's 128-byte grid, the copy's on
+      // dst's: the first `head` bytes complete the sum's partial block.
+      const size_t head = std::min(n, carried_ == 0 ? size_t{0} : kBlock - carried_);
+      update(src, head);
+      const uint8_t* s = src + head;
+      const size_t blocks = (n - head) / kBlock;
+      uint64_t lane[kLanes];
+      for (int l = 0; l < kLanes; ++l) lane[l] = lane_[l];
+      for (size_t b = 0; b < blocks; ++b) {
+        fold(lane, s + b * kBlock, 1);
+        const uint8_t* from = src + b * kBlock;
+        char* to = dst + b * kBlock;
+        for (size_t i = 0; i < kBlock; i += 16)
+          _mm_stream_si128(reinterpret_cast<__m128i*>(to + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i)));
+      }
+      for (int l = 0; l < kLanes; ++l) lane_[l] = lane[l];
+      total_ += blocks * kBlock;
+      const size_t copied = blocks * kBlock;
+      cpu::copy_run<true>(dst + copied, reinterpret_cast<const char*>(src) + copied, static_cast<int64_t>(n - copied));
+      update(s + copied, n - head - copied);
+      return;
+    }
+#endif
+    update(src, n);
+    if (n > 0) std::memcpy(dst, src, n);
   }
-  uint64_t h = static_cast<uint64_t>(n);
-  for (int l = 0; l < kLanes; ++l) h = prefix_hash::mix(h ^ lane[l]) + static_cast<uint64_t>(l);
-  return h;
+
+  /// The sum of every byte fed; the object is spent.
+  uint64_t finish() noexcept {
+    // The tail: whole words, then the last bytes zero-extended.
+    size_t i = 0;
+    for (int l = 0; i < carried_; ++l) {
+      uint64_t w = 0;
+      const size_t take = std::min<size_t>(8, carried_ - i);
+      std::memcpy(&w, carry_ + i, take);
+      lane_[l % kLanes] = (lane_[l % kLanes] ^ w) * kMul[l % kLanes];
+      i += take;
+    }
+    uint64_t h = static_cast<uint64_t>(total_);
+    for (int l = 0; l < kLanes; ++l) h = prefix_hash::mix(h ^ lane_[l]) + static_cast<uint64_t>(l);
+    return h;
+  }
+
+ private:
+  static constexpr int kLanes = 8;
+  static constexpr uint64_t kMul[kLanes] = {0x9e3779b97f4a7c15ULL, 0xc2b2ae3d27d4eb4fULL, 0x165667b19e3779f9ULL,
+                                            0xd6e8feb86659fd93ULL, 0xa0761d6478bd642fULL, 0xe7037ed1a0b428dbULL,
+                                            0x8ebc6af09c88c6e3ULL, 0x589965cc75374cc3ULL};
+
+  static void fold(uint64_t* lanes, const uint8_t* data, size_t blocks) noexcept {
+    uint64_t lane[kLanes];
+    for (int l = 0; l < kLanes; ++l) lane[l] = lanes[l];
+    for (size_t b = 0; b < blocks; ++b, data += kBlock) {
+      for (int l = 0; l < kLanes; ++l) {
+        uint64_t a, w;
+        std::memcpy(&a, data + 16 * l, 8);
+        std::memcpy(&w, data + 16 * l + 8, 8);
+        lane[l] = (lane[l] ^ a) * kMul[l] + w;
+      }
+    }
+    for (int l = 0; l < kLanes; ++l) lanes[l] = lane[l];
+  }
+
+  uint64_t lane_[kLanes];
+  uint8_t carry_[kBlock];
+  size_t carried_ = 0;  // bytes in carry_: the start of a block not yet summed
+  size_t total_ = 0;
+};
+
+/// The checksum of n bytes (Checksum, in one piece).
+inline uint64_t checksum(const uint8_t* data, size_t n) noexcept {
+  Checksum sum;
+  sum.update(data, n);
+  return sum.finish();
 }
 
 /// The key chain's seed: the entry format, the geometry, the dtype, the formats and the salt.
@@ -425,6 +569,9 @@ enum class Verdict { ok, corrupt, foreign };
 
 /// Whether `entry` is a whole, intact entry of page `key` for a cache of
 /// geometry g with `salt` and `tokens` [n_tokens]; `why` says what is wrong.
+inline Verdict verify_bytes(const uint8_t* data, size_t size, const Geometry& g, const PageKey& key, uint64_t salt,
+                            const int64_t* tokens, int64_t n_tokens, std::string* why, bool check_sum);
+
 inline Verdict verify(const at::Tensor& entry, const Geometry& g, const PageKey& key, uint64_t salt,
                       const int64_t* tokens, int64_t n_tokens, std::string* why, bool check_sum = true) {
   Header h{};
@@ -434,19 +581,38 @@ inline Verdict verify(const at::Tensor& entry, const Geometry& g, const PageKey&
                : "shorter than an entry header";
     return Verdict::corrupt;
   }
-  const size_t size = static_cast<size_t>(entry.numel());
+  return verify_bytes(entry.data_ptr<uint8_t>(), static_cast<size_t>(entry.numel()), g, key, salt, tokens, n_tokens,
+                      why, check_sum);
+}
+
+/// verify() of an entry of `size` bytes at `data` (an entry a store read
+/// into the cache's buffer). Without check_sum only the first min(size,
+/// sizeof(Header) + 8 x n_tokens) bytes are read.
+inline Verdict verify_bytes(const uint8_t* data, size_t size, const Geometry& g, const PageKey& key, uint64_t salt,
+                            const int64_t* tokens, int64_t n_tokens, std::string* why, bool check_sum) {
+  Header h{};
+  if (size < sizeof(Header)) {
+    *why = "shorter than an entry header";
+    return Verdict::corrupt;
+  }
+  std::memcpy(&h, data, sizeof(h));
+  if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0) {
+    *why = "no pagedkv entry header (bad magic)";
+    return Verdict::corrupt;
+  }
   if (h.n_tokens < 0 || h.n_tokens > static_cast<int64_t>(size / sizeof(int64_t)) ||
       h.payload_bytes > size ||
       sizeof(Header) + static_cast<size_t>(h.n_tokens) * sizeof(int64_t) + h.payload_bytes + sizeof(uint64_t) != size) {
     *why = "its size " + std::to_string(size) + " does not match its header (truncated or corrupt)";
     return Verdict::corrupt;
   }
-  const uint8_t* data = entry.data_ptr<uint8_t>();
-  uint64_t sum;
-  std::memcpy(&sum, data + size - sizeof(uint64_t), sizeof(sum));
-  if (check_sum && checksum(data, size - sizeof(uint64_t)) != sum) {
-    *why = "its checksum does not match its contents (corrupt)";
-    return Verdict::corrupt;
+  if (check_sum) {
+    uint64_t sum;
+    std::memcpy(&sum, data + size - sizeof(uint64_t), sizeof(sum));
+    if (checksum(data, size - sizeof(uint64_t)) != sum) {
+      *why = "its checksum does not match its contents (corrupt)";
+      return Verdict::corrupt;
+    }
   }
   if (h.n_layers != g.n_layers || h.page_size != g.page_size || h.n_kv_heads != g.n_kv_heads ||
       h.head_dim != g.head_dim || h.dtype != dtype_code(g.dtype) || h.k_format != static_cast<int32_t>(g.quant.k) ||
@@ -465,12 +631,149 @@ inline Verdict verify(const at::Tensor& entry, const Geometry& g, const PageKey&
 /// Writes a verified entry's K/V into page `page` of `cache` (bit for bit;
 /// relaid out for the cache's layout).
 template <class Layout>
-void load(PagedCache<Layout>& cache, int64_t page, const at::Tensor& entry) {
+void load(PagedCache<Layout>& cache, int64_t page, const uint8_t* data) {
   const Geometry g = Geometry::of(cache);
   Header h{};
-  std::memcpy(&h, entry.data_ptr<uint8_t>(), sizeof(h));
-  uint8_t* payload = entry.data_ptr<uint8_t>() + sizeof(Header) + static_cast<size_t>(h.n_tokens) * sizeof(int64_t);
+  std::memcpy(&h, data, sizeof(h));
+  // Only read: the sections are views that the copy reads from.
+  uint8_t* payload = const_cast<uint8_t*>(data) + sizeof(Header) + static_cast<size_t>(h.n_tokens) * sizeof(int64_t);
   copy_page(cache, page, sections(g, payload), /*to_entry=*/false);
+}
+template <class Layout>
+void load(PagedCache<Layout>& cache, int64_t page, const at::Tensor& entry) {
+  load(cache, page, entry.data_ptr<uint8_t>());
+}
+
+/// Copies an entry's payload into a page of a CPU cache while checksumming
+/// the entry, so that its bytes are read once for both (bench/NOTES.md,
+/// "Verifying while copying"): the header and tokens go to prefix() (summed
+/// only), then the payload to feed() in order, then finish() compares the
+/// sum. The page is written before the sum is known: when finish() says
+/// false, the caller gives the page back (a page nobody else can see yet).
+/// Entries hold the payload token-major (Sections); the pieces below follow
+/// that order, each a run of whole tokens of one layer of one section, at
+/// most kPieceBytes (a piece copied head vector by head vector is summed
+/// first, then copied from the L1 cache; a contiguous one both at once).
+template <class Layout>
+class CheckedLoad {
+ public:
+  static constexpr int64_t kPieceBytes = int64_t{16} << 10;
+  static constexpr int64_t kRunPieceBytes = int64_t{64} << 10;  // contiguous in the cache too
+
+  CheckedLoad(PagedCache<Layout>& cache, int64_t page) {
+    const int64_t code_bytes = static_cast<int64_t>(cache.k_cache().element_size());
+    stream_ = cpu::use_streaming_stores(static_cast<int64_t>(Geometry::of(cache).payload_bytes()),
+                                        cpu::page_strides(cache.geometry(), code_bytes), cache.geometry(), code_bytes);
+    const auto tensors = ops::page_tensors(cache.storage());  // k, v, k scales, v scales
+    for (const size_t i : {size_t{0}, size_t{2}, size_t{1}, size_t{3}}) {  // the entry's order: K, its scales, V, its scales
+      const at::Tensor& t = tensors[i].first;
+      if (!t.defined()) continue;
+      const PageGeometry& pg = tensors[i].second;
+      const int64_t es = static_cast<int64_t>(t.element_size());
+      const cpu::BlockStrides in_cache = cpu::page_strides(pg, es);
+      const int64_t row_bytes = pg.head_dim * es;
+      const int64_t token_bytes = pg.n_heads * row_bytes;
+      const bool contiguous = (pg.n_heads == 1 || in_cache.head == row_bytes) &&
+                              (pg.page_size == 1 || in_cache.token == token_bytes);
+      const int64_t per_piece =
+          std::max<int64_t>(1, (contiguous ? kRunPieceBytes : kPieceBytes) / std::max<int64_t>(1, token_bytes));
+      char* cache_page = static_cast<char*>(t.data_ptr()) + page * t.stride(1) * es;
+      for (int64_t layer = 0; layer < t.size(0); ++layer) {
+        for (int64_t t0 = 0; t0 < pg.page_size; t0 += per_piece) {
+          const int64_t n = std::min(per_piece, pg.page_size - t0);
+          pieces_.push_back(Piece{static_cast<size_t>(n * token_bytes),
+                                  cache_page + layer * t.stride(0) * es + t0 * in_cache.token, in_cache,
+                                  cpu::BlockShape{n, pg.n_heads, pg.head_dim, es}, contiguous});
+        }
+      }
+      const size_t section = static_cast<size_t>(t.size(0) * pg.page_elems * es);
+      if (padded(section) != section) pieces_.push_back(Piece{padded(section) - section, nullptr, {}, {}, false});
+    }
+  }
+
+  /// The entry's header and tokens (already compared with the cache's).
+  void prefix(const uint8_t* data, size_t n) noexcept { sum_.update(data, n); }
+
+  /// Copies and sums the whole pieces at the start of the next n bytes of
+  /// the payload; returns the bytes used (the rest starts the next piece).
+  size_t feed(const uint8_t* data, size_t n) {
+    size_t used = 0;
+    while (next_ < pieces_.size() && pieces_[next_].bytes <= n - used) {
+      if (stream_) {
+        copy(pieces_[next_], data + used, std::true_type());
+      } else {
+        copy(pieces_[next_], data + used, std::false_type());
+      }
+      used += pieces_[next_].bytes;
+      ++next_;
+    }
+    return used;
+  }
+
+  ~CheckedLoad() {
+    if (stream_) cpu::streaming_fence();
+  }
+  CheckedLoad(const CheckedLoad&) = delete;
+  CheckedLoad& operator=(const CheckedLoad&) = delete;
+
+  /// Whether the whole payload was fed and the sum of everything fed is
+  /// `expected` (the entry's last 8 bytes).
+  bool finish(uint64_t expected) noexcept {
+    if (stream_) cpu::streaming_fence();
+    return next_ == pieces_.size() && sum_.finish() == expected;
+  }
+
+ private:
+  struct Piece {
+    size_t bytes;
+    char* dst;  // null: a section's padding, summed only
+    cpu::BlockStrides in_cache;
+    cpu::BlockShape shape;
+    bool contiguous;  // in the cache too: one run
+  };
+
+  template <bool kStream>
+  void copy(const Piece& p, const uint8_t* data, std::integral_constant<bool, kStream>) {
+    if (p.dst == nullptr) {
+      sum_.update(data, p.bytes);
+    } else if (p.contiguous) {
+      sum_.update_copy<kStream>(p.dst, data, p.bytes);
+    } else {
+      sum_.update(data, p.bytes);  // now in the L1 cache for the copy
+      const int64_t es = p.shape.elem_size;
+      const cpu::BlockStrides in_entry{p.shape.heads * p.shape.head_dim * es, p.shape.head_dim * es, es};
+      cpu::copy_block<kStream>(p.dst, p.in_cache, reinterpret_cast<const char*>(data), in_entry, p.shape);
+    }
+  }
+
+  Checksum sum_;
+  std::vector<Piece> pieces_;
+  size_t next_ = 0;
+  bool stream_ = false;
+};
+
+/// load() of an entry of `size` bytes at `data` whose size, header,
+/// geometry and tokens verify_bytes() accepted without its checksum, into
+/// page `page` of a CPU cache, checksumming it during the copy
+/// (CheckedLoad); false when the checksum does not match: the page then
+/// holds some of the entry's bytes and the caller gives it back.
+template <class Layout>
+bool load_checked(PagedCache<Layout>& cache, int64_t page, const uint8_t* data, size_t size) {
+  Header h{};
+  std::memcpy(&h, data, sizeof(h));
+  const size_t head = sizeof(Header) + static_cast<size_t>(h.n_tokens) * sizeof(int64_t);
+  CheckedLoad<Layout> load(cache, page);
+  load.prefix(data, head);
+  load.feed(data + head, size - sizeof(uint64_t) - head);
+  uint64_t sum;
+  std::memcpy(&sum, data + size - sizeof(uint64_t), sizeof(sum));
+  return load.finish(sum);
+}
+
+/// load_checked() of an entry tensor that verify() accepted without its checksum.
+template <class Layout>
+bool load_checked(PagedCache<Layout>& cache, int64_t page, const at::Tensor& entry) {
+  return load_checked(cache, page, entry.data_ptr<uint8_t>(), static_cast<size_t>(entry.numel()));
 }
 
 }  // namespace page_store
@@ -840,6 +1143,40 @@ class DiskStore final : public PageStore {
     return entry;
   }
 
+  /// get(), but the file is read as the cache asks (an EntryReader over
+  /// its open descriptor): into a buffer the cache reuses from entry to
+  /// entry, not a new tensor per entry. An entry still queued for writing
+  /// is given from memory.
+  std::unique_ptr<EntryReader> open(const PageKey& key) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    forget_failed();
+    at::Tensor entry = writer_->pending(key.hash);
+    if (entry.defined()) {
+      if (index_.find(key.hash) == nullptr) index_.put(key.hash, entry.numel(), 0);
+      index_.touch(key.hash);
+      return std::make_unique<detail::TensorReader>(std::move(entry));
+    }
+    if (writer_->removing(key.hash)) return nullptr;  // pushed out or erased: its unlink is queued
+    const std::string p = path(key.hash);
+    const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      if (errno != ENOENT) warn_("pagedkv::disk_store('", dir_, "'): cannot open ", p, " (", std::strerror(errno), ")");
+      index_.erase(key.hash);
+      return nullptr;
+    }
+    auto reader = std::make_unique<FileReader>(fd);  // closes it
+    struct stat st {};
+    if (::fstat(fd, &st) != 0) {
+      index_.erase(key.hash);
+      return nullptr;
+    }
+    reader->size_ = static_cast<size_t>(st.st_size);
+    ::utimensat(AT_FDCWD, p.c_str(), nullptr, 0);  // last use, for later processes' LRU order
+    if (index_.find(key.hash) == nullptr) index_.put(key.hash, static_cast<int64_t>(st.st_size), 0);
+    index_.touch(key.hash);
+    return reader;
+  }
+
   void erase(const PageKey& key) override {
     std::lock_guard<std::mutex> lock(mutex_);
     writer_->remove(key.hash);
@@ -861,6 +1198,28 @@ class DiskStore final : public PageStore {
 
  private:
   std::string path(uint64_t key) const { return dir_ + "/" + PageKey{key}.name() + ".pkv"; }
+
+  /// An entry's file, read as the cache asks. A file that shrank under us
+  /// reads short: a corrupt entry for the cache.
+  struct FileReader final : EntryReader {
+    explicit FileReader(int fd) : fd_(fd) {}
+    ~FileReader() override { ::close(fd_); }
+    FileReader(const FileReader&) = delete;
+    FileReader& operator=(const FileReader&) = delete;
+    size_t size() const override { return size_; }
+    size_t read(uint8_t* dst, size_t n) override {
+      size_t done = 0;
+      while (done < n) {
+        const ssize_t r = ::read(fd_, dst + done, n - done);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) break;
+        done += static_cast<size_t>(r);
+      }
+      return done;
+    }
+    int fd_;
+    size_t size_ = 0;
+  };
 
   /// The writer thread's job: a temporary file, renamed into place.
   bool write_entry(uint64_t key, const at::Tensor& entry) {

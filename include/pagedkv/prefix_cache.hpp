@@ -814,37 +814,110 @@ class PrefixCache final : private PageReclaimer {
     }
   }
 
-  /// The verified entry of page j of `tokens` (key, chained hash h) from
-  /// the fastest tier that has one, and that tier; an undefined tensor when
-  /// none has. An entry that fails verification (corrupt, truncated,
-  /// foreign) is removed from its tier with a warning, and the next tier is
-  /// asked. A store that throws is a miss there.
-  std::pair<at::Tensor, size_t> tier_lookup(const int64_t* tokens, int64_t j, uint64_t salt, uint64_t key, uint64_t h,
-                                            uint64_t parent_hash) {
+  /// Page j of `tokens` (key, chained hash h), loaded into a newly
+  /// allocated page from the fastest tier whose entry verifies: {page, tier},
+  /// or page -1 when no tier has one or the copy failed (warned). An entry
+  /// that fails verification (corrupt, truncated, foreign) is removed from its
+  /// tier with a warning, and the next tier is asked; a store that throws is a
+  /// miss there. An entry in memory is read in place; one a store reads
+  /// (EntryReader: a file) is read whole into read_buffer_, which the next
+  /// entry reuses. The size, header, geometry, salt and tokens are checked
+  /// first. The checksum is then checked during the copy into the new page
+  /// (one read of the entry for both: page_store::CheckedLoad), the page
+  /// given back when it fails; or before the allocation, when that must evict
+  /// (the eviction would be for nothing), or for a cache that does not copy
+  /// on the CPU. Either way a corrupt entry reaches no sequence and changes
+  /// nothing on the device.
+  std::pair<int64_t, size_t> tier_load(const int64_t* tokens, int64_t j, uint64_t salt, uint64_t key, uint64_t h,
+                                       uint64_t parent_hash) {
+    PagePool& pool = this->pool();
+    const int64_t n_tokens = (j + 1) * page_size_;
     for (size_t t = 0; t < tiers_.size(); ++t) {
       const std::string& name = stats_.tiers[t].tier;
-      at::Tensor entry;
+      std::unique_ptr<EntryReader> reader;
       bool check_sum = true;
       try {
-        entry = tiers_[t]->get(PageKey{key});
+        reader = tiers_[t]->open(PageKey{key});
         check_sum = !tiers_[t]->in_process();
       } catch (const std::exception& ex) {
         warn("tier '", name, "' threw on get (", ex.what(), "): a miss");
         continue;
       }
-      if (!entry.defined()) continue;
+      if (reader == nullptr) continue;
+      const bool sum_in_copy = check_sum && pool.n_free() > 0 && ops::use_cpu_kernels(seqs_->cache().device());
       std::string why;
-      if (page_store::verify(entry, geometry_, PageKey{key}, salt, tokens, (j + 1) * page_size_, &why, check_sum) ==
-          page_store::Verdict::ok)
-        return {std::move(entry), t};
-      warn("tier '", name, "' entry ", PageKey{key}.name(), " is not used: ", why, "; removed (a miss)");
-      try {
-        tiers_[t]->erase(PageKey{key});
-      } catch (...) {
+      const at::Tensor entry = reader->whole();
+      const uint8_t* data = nullptr;
+      size_t size = 0;
+      page_store::Verdict verdict = page_store::Verdict::corrupt;
+      if (entry.defined()) {
+        verdict = page_store::verify(entry, geometry_, PageKey{key}, salt, tokens, n_tokens, &why,
+                                     check_sum && !sum_in_copy);
+        if (verdict == page_store::Verdict::ok) {
+          data = entry.data_ptr<uint8_t>();
+          size = static_cast<size_t>(entry.numel());
+        }
+      } else {
+        // Read to where the payload (after the header and the tokens) is
+        // 64-byte aligned: the copy into the page ran at half the speed from
+        // a payload 40 bytes past a line (bench/NOTES.md, "Verifying while copying").
+        const size_t head = sizeof(page_store::Header) + static_cast<size_t>(n_tokens) * sizeof(int64_t);
+        uint8_t* buffer = nullptr;
+        bool whole_read = false;
+        try {
+          size = reader->size();
+          if (read_buffer_.size() < size + 128) read_buffer_.resize(size + 128);
+          const uintptr_t start = reinterpret_cast<uintptr_t>(read_buffer_.data());
+          buffer = read_buffer_.data() + ((64 - (start + head) % 64) % 64);
+          whole_read = reader->read(buffer, size) == size;
+        } catch (const std::exception& ex) {
+          warn("tier '", name, "' threw on read (", ex.what(), "): a miss");
+          continue;
+        }
+        if (!whole_read) {
+          why = "it reads shorter than its size (truncated)";
+        } else {
+          data = buffer;
+          verdict = page_store::verify_bytes(data, size, geometry_, PageKey{key}, salt, tokens, n_tokens, &why,
+                                             check_sum && !sum_in_copy);
+        }
       }
-      if (listener_) notify(PrefixEvent{PrefixEvent::Type::removed, h, j == 0 ? 0 : parent_hash, (j + 1) * page_size_, name});
+      reader.reset();
+      if (verdict != page_store::Verdict::ok) {
+        reject(t, j, key, h, parent_hash, why);
+        continue;
+      }
+      if (pool.n_free() == 0) evict_lru(1);
+      const int64_t page = pool.alloc();
+      bool intact = true;
+      try {
+        if (sum_in_copy) {
+          intact = page_store::load_checked(seqs_->cache(), page, data, size);
+        } else {
+          page_store::load(seqs_->cache(), page, data);
+        }
+      } catch (const std::exception& ex) {
+        pool.free(page);
+        warn("could not copy a tier entry into page ", page, " (", ex.what(), "): a miss");
+        return {-1, 0};
+      }
+      if (intact) return {page, t};
+      pool.free(page);  // never seen: it held nothing before and holds nothing now
+      reject(t, j, key, h, parent_hash, "its checksum does not match its contents (corrupt)");
     }
-    return {at::Tensor(), 0};
+    return {-1, 0};
+  }
+
+  /// Tier t's entry of page j (key, chained hash h) failed verification:
+  /// warned about, removed from the tier, announced.
+  void reject(size_t t, int64_t j, uint64_t key, uint64_t h, uint64_t parent_hash, const std::string& why) {
+    const std::string& name = stats_.tiers[t].tier;
+    warn("tier '", name, "' entry ", PageKey{key}.name(), " is not used: ", why, "; removed (a miss)");
+    try {
+      tiers_[t]->erase(PageKey{key});
+    } catch (...) {
+    }
+    if (listener_) notify(PrefixEvent{PrefixEvent::Type::removed, h, j == 0 ? 0 : parent_hash, (j + 1) * page_size_, name});
   }
 
   /// Continues a device match (chain, pages; held) through the tiers, page
@@ -867,24 +940,15 @@ class PrefixCache final : private PageReclaimer {
       const uint64_t parent_hash = h;
       h = hash_(h, page_tokens, page_size_);
       key = page_store::next_key(key, page_tokens, page_size_).hash;
-      at::Tensor entry;
+      int64_t page = -1;
       size_t tier = 0;
       try {
-        std::tie(entry, tier) = tier_lookup(tokens, j, salt, key, h, parent_hash);
+        std::tie(page, tier) = tier_load(tokens, j, salt, key, h, parent_hash);
       } catch (const std::exception& ex) {  // out of memory reading an entry
         warn("could not read a tier entry (", ex.what(), "): a miss");
         return;
       }
-      if (!entry.defined()) return;
-      if (pool.n_free() == 0) evict_lru(1);
-      const int64_t page = pool.alloc();
-      try {
-        page_store::load(seqs_->cache(), page, entry);
-      } catch (const std::exception& ex) {
-        warn("could not copy a tier entry into page ", page, " (", ex.what(), "): a miss");
-        pool.free(page);
-        return;
-      }
+      if (page < 0) return;
       pool.retain(page);  // the cache's reference; the allocation's is the sequence's
       const int32_t x = add_node(page, chain.empty() ? kNone : chain.back(), salt, h, page_tokens);
       chain.push_back(x);
@@ -928,6 +992,7 @@ class PrefixCache final : private PageReclaimer {
   page_store::Geometry geometry_;                  // what the tiers' entries must match
   std::function<void(const PrefixEvent&)> listener_;
   std::vector<Evicted> evicted_;  // freed by the eviction in progress, for write_down
+  std::vector<uint8_t> read_buffer_;  // the last entry a store read (EntryReader): reused, as large as the largest
 };
 
 }  // namespace pagedkv
