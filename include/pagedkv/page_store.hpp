@@ -370,7 +370,7 @@ class Checksum {
   }
 
   uint64_t lane_[kLanes];
-  uint8_t carry_[kBlock];
+  uint8_t carry_[kBlock] = {};  // only its first carried_ bytes are read; zeroed for the analysers
   size_t carried_ = 0;  // bytes in carry_: the start of a block not yet summed
   size_t total_ = 0;
 };
