@@ -33,15 +33,18 @@ def write_requests(path, prompts, max_new_tokens):
             f.write(json.dumps({"id": f"r{i}", "prompt": p, "max_new_tokens": max_new_tokens}) + "\n")
 
 
-def serve(llama, model_dir, requests_file, work, name, threads, extra=(), quiet=True):
+def serve(llama, model_dir, requests_file, work, name, threads, extra=(), quiet=True, echo=False):
     """Runs the engine on `requests_file`; returns (its --stats, {id: tokens}).
-    Exits the script with the engine's stderr when it fails."""
+    Exits the script with the engine's stderr when it fails; echo: prints
+    that stderr (the engine's summary) when it succeeds."""
     stats, out = os.path.join(work, name + ".stats.json"), os.path.join(work, name + ".out.jsonl")
     cmd = [llama, "--model", model_dir, "--requests", requests_file, "--out", out, "--stats", stats,
            "--threads", str(threads)] + (["--quiet"] if quiet else []) + list(extra)
     p = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr}")
+    if echo:
+        print(p.stderr.strip(), flush=True)
     with open(stats) as f:
         s = json.load(f)
     with open(out) as f:

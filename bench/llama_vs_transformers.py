@@ -49,11 +49,11 @@ import json
 import os
 import random
 import subprocess
-import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "llama"))
-import make_tiny_model  # noqa: E402
+from llama_runs import serve, write_requests
+
+import make_tiny_model  # noqa: E402 (llama_runs put it on the path)
 
 
 def make_prompts(n, length, shared_fraction, vocab, seed):
@@ -64,22 +64,10 @@ def make_prompts(n, length, shared_fraction, vocab, seed):
 
 def run_engine(llama, model_dir, work, name, prompts, new_tokens, threads, extra):
     req = os.path.join(work, name + ".jsonl")
-    with open(req, "w") as f:
-        for i, p in enumerate(prompts):
-            f.write(json.dumps({"id": f"r{i}", "prompt": p, "max_new_tokens": new_tokens}) + "\n")
-    stats = os.path.join(work, name + ".stats.json")
-    out = os.path.join(work, name + ".out.jsonl")
-    cmd = [llama, "--model", model_dir, "--requests", req, "--out", out, "--stats", stats, "--threads", str(threads),
-           "--quiet"] + extra
-    p = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr}")
-    with open(stats) as f:
-        s = json.load(f)
-    with open(out) as f:
-        n_out = sum(len(json.loads(line)["tokens"]) for line in f)
+    write_requests(req, prompts, new_tokens)
+    s, tokens = serve(llama, model_dir, req, work, name, threads, extra, echo=True)
+    n_out = sum(len(t) for t in tokens.values())
     assert n_out == len(prompts) * new_tokens, (n_out, len(prompts) * new_tokens)
-    print(p.stderr.strip(), flush=True)
     return {"wall": s["serve_seconds"], "cpu": s["serve_cpu_seconds"], "stats": s}
 
 
