@@ -732,6 +732,21 @@ TEST(PrefixTiers, CorruptOrForeignDiskEntriesAreMissesWithAWarning) {
 /// page (page_store::CheckedLoad): the page goes back, and the pool, the
 /// pages the device caches and the acquiring sequence are as if the entry
 /// had never been there (a miss at that page, a warning, the entry removed).
+/// Changes a byte near the end of the payload of the disk entry of
+/// prompt's second page (a cache of geometry g, salt 0), so that only its
+/// checksum tells; returns the entry's path.
+std::string damage_second_page_payload(const TempDir& dir, const page_store::Geometry& g,
+                                       const std::vector<int64_t>& prompt) {
+  const PageKey key0 = page_store::next_key(page_store::key_seed(g, 0), prompt.data(), kPage);
+  const PageKey key1 = page_store::next_key(key0.hash, prompt.data() + kPage, kPage);
+  const std::string path = dir.path + "/" + key1.name() + ".pkv";
+  const auto size = static_cast<int64_t>(std::filesystem::file_size(path));
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(size - 8 - 5);  // the payload's last bytes, before the 8-byte checksum
+  f.put('\x5a');
+  return path;
+}
+
 TEST(PrefixTiers, ADamagedPayloadFoundDuringTheCopyChangesNothing) {
   at::manual_seed(16);
   TempDir dir;
@@ -749,18 +764,9 @@ TEST(PrefixTiers, ADamagedPayloadFoundDuringTheCopyChangesNothing) {
   }
   ASSERT_EQ(dir.entries().size(), 3u);
   PagedCache<NHD> cache = make_cache<NHD>(8);
-  const auto g = page_store::Geometry::of(cache);
-  const PageKey key0 = page_store::next_key(page_store::key_seed(g, 0), prompt.data(), kPage);
-  const PageKey key1 = page_store::next_key(key0.hash, prompt.data() + kPage, kPage);
   const uint64_t h0 = pagedkv::prefix_hash::page(pagedkv::prefix_hash::salt_seed(0), prompt.data(), kPage);
   const uint64_t h1 = pagedkv::prefix_hash::page(h0, prompt.data() + kPage, kPage);
-  const std::string damaged = dir.path + "/" + key1.name() + ".pkv";
-  {
-    const auto size = static_cast<int64_t>(std::filesystem::file_size(damaged));
-    std::fstream f(damaged, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(size - 8 - 5);  // the payload's last bytes
-    f.put('\x5a');
-  }
+  const std::string damaged = damage_second_page_payload(dir, page_store::Geometry::of(cache), prompt);
   SequenceTable<NHD> seqs(cache);
   auto disk = std::make_shared<pagedkv::DiskStore>(dir.path, 1 << 20);
   PrefixCache<NHD> prefix(seqs, {disk});
@@ -821,16 +827,7 @@ TEST(PrefixTiers, ADamagedEntryEvictsNothingWhenThePoolIsFull) {
   }
   ASSERT_EQ(dir.entries().size(), 2u);
   PagedCache<NHD> cache = make_cache<NHD>(4);
-  const auto g = page_store::Geometry::of(cache);
-  const PageKey key0 = page_store::next_key(page_store::key_seed(g, 0), prompt.data(), kPage);
-  const PageKey key1 = page_store::next_key(key0.hash, prompt.data() + kPage, kPage);
-  const std::string damaged = dir.path + "/" + key1.name() + ".pkv";
-  {
-    const auto size = static_cast<int64_t>(std::filesystem::file_size(damaged));
-    std::fstream f(damaged, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekp(size - 8 - 5);  // the payload's last bytes
-    f.put('\x5a');
-  }
+  damage_second_page_payload(dir, page_store::Geometry::of(cache), prompt);
   SequenceTable<NHD> seqs(cache);
   auto disk = std::make_shared<pagedkv::DiskStore>(dir.path, 1 << 20);
   PrefixCache<NHD> prefix(seqs, {disk});
