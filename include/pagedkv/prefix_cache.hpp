@@ -859,16 +859,21 @@ class PrefixCache final : private PageReclaimer {
         }
       } else {
         // Read to where the payload (after the header and the tokens) is
-        // 64-byte aligned: the copy into the page ran at half the speed from
-        // a payload 40 bytes past a line (bench/NOTES.md, "Verifying while copying").
+        // 64-byte aligned, the entry starting in the middle of a 4 KiB page:
+        // the copy into the pool ran at half the speed from a payload 40
+        // bytes past a line (bench/NOTES.md, "Verifying while copying"), and
+        // the kernel's copy into the buffer at half its speed when the entry
+        // started a few bytes past a page, as the page cache's pages it reads
+        // from start ("Where in a page a disk entry is read to").
         const size_t head = sizeof(page_store::Header) + static_cast<size_t>(n_tokens) * sizeof(int64_t);
         uint8_t* buffer = nullptr;
         bool whole_read = false;
         try {
           size = reader->size();
-          if (read_buffer_.size() < size + 128) read_buffer_.resize(size + 128);
+          if (read_buffer_.size() < size + 4096 + 64) read_buffer_.resize(size + 4096 + 64);
           const uintptr_t start = reinterpret_cast<uintptr_t>(read_buffer_.data());
-          buffer = read_buffer_.data() + ((64 - (start + head) % 64) % 64);
+          const uintptr_t target = 2048 + (64 - head % 64) % 64;  // the entry's offset in its page
+          buffer = read_buffer_.data() + (target - start % 4096 + 4096) % 4096;
           whole_read = reader->read(buffer, size) == size;
         } catch (const std::exception& ex) {
           warn("tier '", name, "' threw on read (", ex.what(), "): a miss");
