@@ -40,6 +40,14 @@
 //   prefix_restore/redis/P48/{reference,pagedkv}   redis_store on a redis-server the suite
 //                                                  starts on 127.0.0.1 (a free port);
 //                                                  reference: one raw hiredis GET per entry
+// Evictions into the tiers, on the same fixtures (the 48 pages cached on the
+// device first, untimed: a restore, then the sequence released):
+//   prefix_evict/{host,disk}/P48/{memcpy,pagedkv}  clear() of the 48 pages (timed: each
+//                                                  page copied out of the pool into a new
+//                                                  entry, checksummed and put; a disk
+//                                                  store queues it for its thread, which
+//                                                  writes while the next pages are copied);
+//                                                  memcpy of the entries' bytes
 // The redis rows exist when the suite is built with hiredis (pagedkv::redis)
 // and redis-server is found; a server that does not start skips them with an
 // error row. x_memcpy / x_faster_ref / x_faster_floor: the restore against
@@ -226,6 +234,11 @@ struct TierFixture {
   /// Every page of the prompt out of the pool and in the tier (written, for a disk or a server).
   void evict() {
     prefix.clear();
+    flush();
+  }
+
+  /// Waits until the tier's entries are written (a disk, a server).
+  void flush() {
     if (auto* disk = dynamic_cast<pagedkv::DiskStore*>(store.get())) disk->flush();
 #if defined(PAGEDKV_BENCH_REDIS)
     if (auto* redis = dynamic_cast<pagedkv::stores::RedisStore*>(store.get())) redis->flush();
@@ -286,6 +299,21 @@ void restore(benchmark::State& state, const std::string& name, TierFixture& f) {
         f.table.release(seq);
         f.evict();
       });
+}
+
+/// The timed eviction: clear() of the prompt's 48 cached pages into the
+/// tier; between evictions the pages come back (flush, acquire, release).
+/// Leaves them in the tier, as the restore rows expect.
+void evict_into(benchmark::State& state, const std::string& name, TierFixture& f) {
+  const auto cache_again = [&] {
+    f.flush();
+    const auto hit = f.prefix.acquire(f.prompt);
+    if (hit.second != kTierPages * kPageSize || f.prefix.n_cached() != kTierPages) std::abort();
+    f.table.release(hit.first);
+  };
+  cache_again();
+  tier_loop(state, name, f.bytes, [&] { f.prefix.clear(); }, cache_again);
+  f.evict();
 }
 
 TierFixture& host_fixture() {
@@ -534,6 +562,16 @@ void register_restores() {
   });
   manual("prefix_restore/host" + p + "/pagedkv",
          [](benchmark::State& state, const std::string& name) { restore(state, name, host_fixture()); });
+  const auto evict_limit = [](TierFixture& f) {
+    return [&f](benchmark::State& state, const std::string& name) {
+      const CopyLimit limit(f.bytes);
+      tier_loop(state, name, f.bytes, [&] { limit.run(); }, [] {});
+    };
+  };
+  manual("prefix_evict/host" + p + "/memcpy",
+         [=](benchmark::State& state, const std::string& name) { evict_limit(host_fixture())(state, name); });
+  manual("prefix_evict/host" + p + "/pagedkv",
+         [](benchmark::State& state, const std::string& name) { evict_into(state, name, host_fixture()); });
   manual("prefix_restore/disk" + p + "/reference", [](benchmark::State& state, const std::string& name) {
     DiskTierFixture& f = disk_fixture();
     tier_loop(state, name, f.tier.bytes, [&] { read_files(f); }, [] {});
@@ -545,6 +583,10 @@ void register_restores() {
   });
   manual("prefix_restore/disk" + p + "/pagedkv",
          [](benchmark::State& state, const std::string& name) { restore(state, name, disk_fixture().tier); });
+  manual("prefix_evict/disk" + p + "/memcpy",
+         [=](benchmark::State& state, const std::string& name) { evict_limit(disk_fixture().tier)(state, name); });
+  manual("prefix_evict/disk" + p + "/pagedkv",
+         [](benchmark::State& state, const std::string& name) { evict_into(state, name, disk_fixture().tier); });
   manual("prefix_restore/disk_cold" + p + "/reference", [](benchmark::State& state, const std::string& name) {
     DiskTierFixture& f = disk_cold_fixture();
     cold_loop(state, name, f, [&] { read_files(f); }, [] {});
