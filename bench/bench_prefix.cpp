@@ -285,20 +285,27 @@ void tier_loop(benchmark::State& state, const std::string& name, int64_t bytes, 
   if (floor != times.end()) state.counters["x_faster_floor"] = floor->second / per_iter;
 }
 
-/// The timed restore: acquire of the prompt, every page from the tier.
-void restore(benchmark::State& state, const std::string& name, TierFixture& f) {
+/// A restore as the rows time it: acquire of the prompt, every page from
+/// the tier; then, untimed, the sequence released and the pages evicted
+/// into the tier again.
+struct RestoreSteps {
+  TierFixture& f;
   int64_t seq = -1;
-  tier_loop(
-      state, name, f.bytes,
-      [&] {
-        const auto hit = f.prefix.acquire(f.prompt);
-        if (hit.second != kTierPages * kPageSize) std::abort();
-        seq = hit.first;
-      },
-      [&] {
-        f.table.release(seq);
-        f.evict();
-      });
+  void acquire() {
+    const auto hit = f.prefix.acquire(f.prompt);
+    if (hit.second != kTierPages * kPageSize) std::abort();
+    seq = hit.first;
+  }
+  void put_back() {
+    f.table.release(seq);
+    f.evict();
+  }
+};
+
+/// The timed restore.
+void restore(benchmark::State& state, const std::string& name, TierFixture& f) {
+  RestoreSteps steps{f};
+  tier_loop(state, name, f.bytes, [&] { steps.acquire(); }, [&] { steps.put_back(); });
 }
 
 /// The timed eviction: clear() of the prompt's 48 cached pages into the
@@ -593,18 +600,8 @@ void register_restores() {
   });
   manual("prefix_restore/disk_cold" + p + "/pagedkv", [](benchmark::State& state, const std::string& name) {
     DiskTierFixture& f = disk_cold_fixture();
-    int64_t seq = -1;
-    cold_loop(
-        state, name, f,
-        [&] {
-          const auto hit = f.tier.prefix.acquire(f.tier.prompt);
-          if (hit.second != kTierPages * kPageSize) std::abort();
-          seq = hit.first;
-        },
-        [&] {
-          f.tier.table.release(seq);
-          f.tier.evict();
-        });
+    RestoreSteps steps{f.tier};
+    cold_loop(state, name, f, [&] { steps.acquire(); }, [&] { steps.put_back(); });
   });
 #if defined(PAGEDKV_BENCH_REDIS)
   if (::access(PAGEDKV_REDIS_SERVER, X_OK) != 0) return;  // no redis-server: no redis rows
