@@ -862,9 +862,9 @@ class PrefixCache final : private PageReclaimer {
         // 64-byte aligned, the entry starting in the middle of a 4 KiB page:
         // the copy into the pool ran at half the speed from a payload 40
         // bytes past a line (bench/NOTES.md, "Verifying while copying"), and
-        // the kernel's copy into the buffer at half its speed when the entry
-        // started a few bytes past a page, as the page cache's pages it reads
-        // from start ("Where in a page a disk entry is read to").
+        // the kernel's copy of read() at half its speed or worse into an
+        // entry 8-24 bytes past a page ("Where in a page a disk entry is
+        // read to").
         const size_t head = sizeof(page_store::Header) + static_cast<size_t>(n_tokens) * sizeof(int64_t);
         uint8_t* buffer = nullptr;
         bool whole_read = false;
