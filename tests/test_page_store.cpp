@@ -1098,6 +1098,81 @@ TEST(PrefixTiers, BadInputThrowsWithNothingChanged) {
   prefix.check();
 }
 
+/// A store whose entries the cache reads as it reads files (open: an
+/// EntryReader), recording where each entry is read to.
+class ReadToRecordingStore final : public PageStore {
+ public:
+  std::string tier() const override { return "recording"; }
+  bool put(const PageKey& key, const at::Tensor& entry, std::vector<StoredPage>*) override {
+    entries_[key.hash] = entry;
+    return true;
+  }
+  at::Tensor get(const PageKey& key) override {
+    const auto it = entries_.find(key.hash);
+    return it == entries_.end() ? at::Tensor() : it->second;
+  }
+  void erase(const PageKey& key) override { entries_.erase(key.hash); }
+  std::unique_ptr<pagedkv::EntryReader> open(const PageKey& key) override {
+    const at::Tensor entry = get(key);
+    if (!entry.defined()) return nullptr;
+    return std::make_unique<Reader>(entry, &read_to);
+  }
+  std::vector<uintptr_t> read_to;  // the destination of each entry's first read
+
+ private:
+  class Reader final : public pagedkv::EntryReader {
+   public:
+    Reader(at::Tensor entry, std::vector<uintptr_t>* read_to) : entry_(std::move(entry)), read_to_(read_to) {}
+    size_t size() const override { return static_cast<size_t>(entry_.numel()); }
+    size_t read(uint8_t* dst, size_t n) override {
+      if (done_ == 0) read_to_->push_back(reinterpret_cast<uintptr_t>(dst));
+      const size_t take = std::min(n, size() - done_);
+      if (take > 0) std::memcpy(dst, entry_.data_ptr<uint8_t>() + done_, take);
+      done_ += take;
+      return take;
+    }
+
+   private:
+    at::Tensor entry_;
+    std::vector<uintptr_t>* read_to_;
+    size_t done_ = 0;
+  };
+  std::map<uint64_t, at::Tensor> entries_;
+};
+
+/// Where the cache reads a file's entry to: the payload on a 64-byte line
+/// (the copy into the page ran at half speed 40 bytes past one), the entry
+/// in the middle of a 4 KiB page (the kernel's copy of read() ran at half
+/// speed or worse into an entry 8-24 bytes past a page, where an mmapped
+/// buffer puts it: bench/NOTES.md, "Where in a page a disk entry is read to").
+/// Entries of 300 KiB, over glibc's first mmap threshold, as the benchmark's.
+TEST(PrefixTiers, AnEntryIsReadToTheMiddleOfAPageWithItsPayloadOnALine) {
+  at::manual_seed(21);
+  PagedCache<NHD> cache = make_cache<NHD>(8, {}, at::kFloat, /*n_layers=*/600);
+  SequenceTable<NHD> seqs(cache);
+  auto store = std::make_shared<ReadToRecordingStore>();
+  PrefixCache<NHD> prefix(seqs, {store});
+  const std::vector<int64_t> p = prompt_of(3 * kPage + 1, 5);
+  const int64_t first = run_request(seqs, prefix, p);
+  std::vector<std::vector<uint8_t>> written;
+  for (int64_t j = 0; j < 3; ++j) written.push_back(page_bytes(cache, seqs.pages(first)[static_cast<size_t>(j)]));
+  seqs.release(first);
+  prefix.clear();
+  const auto [seq, n] = prefix.acquire(ids(p));
+  ASSERT_EQ(n, 3 * kPage);
+  ASSERT_EQ(store->read_to.size(), 3u);
+  for (size_t j = 0; j < 3; ++j) {
+    const uintptr_t dst = store->read_to[j];
+    const uintptr_t head = sizeof(page_store::Header) + (j + 1) * kPage * sizeof(int64_t);
+    EXPECT_EQ((dst + head) % 64, 0u) << "page " << j;
+    EXPECT_GE(dst % 4096, 2048u) << "page " << j;
+    EXPECT_LT(dst % 4096, 2048u + 64) << "page " << j;
+    EXPECT_EQ(page_bytes(cache, seqs.pages(seq)[j]), written[j]) << "page " << j;
+  }
+  seqs.release(seq);
+  prefix.check();
+}
+
 /// A store that fails every call by throwing: an engine's broken store is a miss, never an exception.
 class ThrowingStore final : public PageStore {
  public:
