@@ -308,6 +308,12 @@ void restore(benchmark::State& state, const std::string& name, TierFixture& f) {
   tier_loop(state, name, f.bytes, [&] { steps.acquire(); }, [&] { steps.put_back(); });
 }
 
+/// A limit row: a memcpy of the tier's entries' bytes.
+void copy_limit(benchmark::State& state, const std::string& name, TierFixture& f) {
+  const CopyLimit limit(f.bytes);
+  tier_loop(state, name, f.bytes, [&] { limit.run(); }, [] {});
+}
+
 /// The timed eviction: clear() of the prompt's 48 cached pages into the
 /// tier; between evictions the pages come back (flush, acquire, release).
 /// Leaves them in the tier, as the restore rows expect.
@@ -364,16 +370,21 @@ DiskTierFixture& disk_fixture() {
   return fixture<DiskTierFixture>("prefix_restore/disk", [] { return std::make_unique<DiskTierFixture>(); });
 }
 
-/// The disk limit: each entry's file opened, read whole into one buffer, closed.
+/// File `path` opened, read whole into f.read_to, closed: its size.
+size_t read_file(const DiskTierFixture& f, const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) std::abort();
+  size_t done = 0;
+  for (ssize_t r; (r = ::read(fd, f.read_to + done, f.read_size - done)) > 0;) done += static_cast<size_t>(r);
+  ::close(fd);
+  return done;
+}
+
+/// The disk limit: each entry's file read whole into one buffer.
 void read_files(DiskTierFixture& f) {
   for (const auto& p : f.files) {
-    const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) std::abort();
-    char* data = f.read_to;
-    size_t done = 0;
-    for (ssize_t r; (r = ::read(fd, data + done, f.read_size - done)) > 0;) done += static_cast<size_t>(r);
-    ::close(fd);
-    benchmark::DoNotOptimize(data);
+    read_file(f, p);
+    benchmark::DoNotOptimize(f.read_to);
   }
 }
 
@@ -431,15 +442,9 @@ void cold_loop(benchmark::State& state, const std::string& name, DiskTierFixture
 /// pre-faulted), with the streaming stores a restore copies into its pages
 /// with (cpu::use_streaming_stores: a restored page is a cold slot).
 void read_and_copy(DiskTierFixture& f, std::vector<char>& pages) {
-  const size_t slot = f.read_size;
   for (size_t i = 0; i < f.files.size(); ++i) {
-    const int fd = ::open(f.files[i].c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) std::abort();
-    char* data = f.read_to;
-    size_t done = 0;
-    for (ssize_t r; (r = ::read(fd, data + done, slot - done)) > 0;) done += static_cast<size_t>(r);
-    ::close(fd);
-    pagedkv::cpu::copy_run<true>(pages.data() + i * slot, data, static_cast<int64_t>(done & ~size_t{15}));
+    const size_t done = read_file(f, f.files[i]);
+    pagedkv::cpu::copy_run<true>(pages.data() + i * f.read_size, f.read_to, static_cast<int64_t>(done & ~size_t{15}));
   }
   pagedkv::cpu::streaming_fence();
   benchmark::DoNotOptimize(pages.data());
@@ -562,21 +567,12 @@ void register_restores() {
         ->Unit(benchmark::kMicrosecond);
   };
   const std::string p = "/P" + std::to_string(kTierPages);
-  manual("prefix_restore/host" + p + "/memcpy", [](benchmark::State& state, const std::string& name) {
-    TierFixture& f = host_fixture();
-    const CopyLimit limit(f.bytes);
-    tier_loop(state, name, f.bytes, [&] { limit.run(); }, [] {});
-  });
+  manual("prefix_restore/host" + p + "/memcpy",
+         [](benchmark::State& state, const std::string& name) { copy_limit(state, name, host_fixture()); });
   manual("prefix_restore/host" + p + "/pagedkv",
          [](benchmark::State& state, const std::string& name) { restore(state, name, host_fixture()); });
-  const auto evict_limit = [](TierFixture& f) {
-    return [&f](benchmark::State& state, const std::string& name) {
-      const CopyLimit limit(f.bytes);
-      tier_loop(state, name, f.bytes, [&] { limit.run(); }, [] {});
-    };
-  };
   manual("prefix_evict/host" + p + "/memcpy",
-         [=](benchmark::State& state, const std::string& name) { evict_limit(host_fixture())(state, name); });
+         [](benchmark::State& state, const std::string& name) { copy_limit(state, name, host_fixture()); });
   manual("prefix_evict/host" + p + "/pagedkv",
          [](benchmark::State& state, const std::string& name) { evict_into(state, name, host_fixture()); });
   manual("prefix_restore/disk" + p + "/reference", [](benchmark::State& state, const std::string& name) {
@@ -591,7 +587,7 @@ void register_restores() {
   manual("prefix_restore/disk" + p + "/pagedkv",
          [](benchmark::State& state, const std::string& name) { restore(state, name, disk_fixture().tier); });
   manual("prefix_evict/disk" + p + "/memcpy",
-         [=](benchmark::State& state, const std::string& name) { evict_limit(disk_fixture().tier)(state, name); });
+         [](benchmark::State& state, const std::string& name) { copy_limit(state, name, disk_fixture().tier); });
   manual("prefix_evict/disk" + p + "/pagedkv",
          [](benchmark::State& state, const std::string& name) { evict_into(state, name, disk_fixture().tier); });
   manual("prefix_restore/disk_cold" + p + "/reference", [](benchmark::State& state, const std::string& name) {
