@@ -727,11 +727,6 @@ TEST(PrefixTiers, CorruptOrForeignDiskEntriesAreMissesWithAWarning) {
   prefix.check();
 }
 
-/// A disk entry whose payload is damaged passes the checks of its header
-/// and tokens, and fails its checksum during the copy into a newly allocated
-/// page (page_store::CheckedLoad): the page goes back, and the pool, the
-/// pages the device caches and the acquiring sequence are as if the entry
-/// had never been there (a miss at that page, a warning, the entry removed).
 /// Changes a byte near the end of the payload of the disk entry of
 /// prompt's second page (a cache of geometry g, salt 0), so that only its
 /// checksum tells; returns the entry's path.
@@ -747,6 +742,11 @@ std::string damage_second_page_payload(const TempDir& dir, const page_store::Geo
   return path;
 }
 
+/// A disk entry whose payload is damaged passes the checks of its header
+/// and tokens, and fails its checksum during the copy into a newly allocated
+/// page (page_store::CheckedLoad): the page goes back, and the pool, the
+/// pages the device caches and the acquiring sequence are as if the entry
+/// had never been there (a miss at that page, a warning, the entry removed).
 TEST(PrefixTiers, ADamagedPayloadFoundDuringTheCopyChangesNothing) {
   at::manual_seed(16);
   TempDir dir;
@@ -1099,19 +1099,16 @@ TEST(PrefixTiers, BadInputThrowsWithNothingChanged) {
 }
 
 /// A store whose entries the cache reads as it reads files (open: an
-/// EntryReader), recording where each entry is read to.
+/// EntryReader), recording where each entry is read to; it keeps them in a
+/// host_store.
 class ReadToRecordingStore final : public PageStore {
  public:
   std::string tier() const override { return "recording"; }
-  bool put(const PageKey& key, const at::Tensor& entry, std::vector<StoredPage>*) override {
-    entries_[key.hash] = entry;
-    return true;
+  bool put(const PageKey& key, const at::Tensor& entry, std::vector<StoredPage>* pushed_out) override {
+    return kept_->put(key, entry, pushed_out);
   }
-  at::Tensor get(const PageKey& key) override {
-    const auto it = entries_.find(key.hash);
-    return it == entries_.end() ? at::Tensor() : it->second;
-  }
-  void erase(const PageKey& key) override { entries_.erase(key.hash); }
+  at::Tensor get(const PageKey& key) override { return kept_->get(key); }
+  void erase(const PageKey& key) override { kept_->erase(key); }
   std::unique_ptr<pagedkv::EntryReader> open(const PageKey& key) override {
     const at::Tensor entry = get(key);
     if (!entry.defined()) return nullptr;
@@ -1120,24 +1117,23 @@ class ReadToRecordingStore final : public PageStore {
   std::vector<uintptr_t> read_to;  // the destination of each entry's first read
 
  private:
+  /// A FileLikeReader that records where it is first read to.
   class Reader final : public pagedkv::EntryReader {
    public:
-    Reader(at::Tensor entry, std::vector<uintptr_t>* read_to) : entry_(std::move(entry)), read_to_(read_to) {}
-    size_t size() const override { return static_cast<size_t>(entry_.numel()); }
+    Reader(const at::Tensor& entry, std::vector<uintptr_t>* read_to) : file_(entry), read_to_(read_to) {}
+    size_t size() const override { return file_.size(); }
     size_t read(uint8_t* dst, size_t n) override {
-      if (done_ == 0) read_to_->push_back(reinterpret_cast<uintptr_t>(dst));
-      const size_t take = std::min(n, size() - done_);
-      if (take > 0) std::memcpy(dst, entry_.data_ptr<uint8_t>() + done_, take);
-      done_ += take;
-      return take;
+      if (!started_) read_to_->push_back(reinterpret_cast<uintptr_t>(dst));
+      started_ = true;
+      return file_.read(dst, n);
     }
 
    private:
-    at::Tensor entry_;
+    FileLikeReader file_;
     std::vector<uintptr_t>* read_to_;
-    size_t done_ = 0;
+    bool started_ = false;
   };
-  std::map<uint64_t, at::Tensor> entries_;
+  std::shared_ptr<PageStore> kept_ = pagedkv::host_store(int64_t{1} << 30);
 };
 
 /// Where the cache reads a file's entry to: the payload on a 64-byte line
